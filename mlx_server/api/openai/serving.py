@@ -1,0 +1,215 @@
+"""OpenAI chat: a ChatCompletionRequest becomes a GenerationRequest; engine events become
+`chat.completion` objects or `chat.completion.chunk` SSE frames."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+
+import jinja2
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.requests import Request
+
+from mlx_server.api.errors import APIError
+from mlx_server.api.openai.protocol import ChatCompletionRequest, ChatMessage, TextPart, RefusalPart
+from mlx_server.api.sse import DONE, SSE_HEADERS, data_frame, dumps, on_disconnect
+from mlx_server.config import Settings
+from mlx_server.engine.request import GenerationEvent, GenerationRequest, SamplingParams
+from mlx_server.engine.scheduler import Engine, GenerationHandle
+
+ROLE_ALIASES = {"developer": "system", "function": "tool"}
+
+
+class ChatServing:
+    def __init__(self, engine: Engine, settings: Settings):
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.settings = settings
+        self.template_source = self.tokenizer.chat_template or ""
+        self.vocab_size = max(self.tokenizer.vocab_size, len(self.tokenizer.get_vocab()))
+
+    # ---- request translation ----
+
+    def build_request(self, req: ChatCompletionRequest, request_id: str) -> GenerationRequest:
+        """Render the prompt and check every limit; raises APIError naming the field at fault."""
+        prompt = self.render_prompt(req)
+        tokens = self.tokenizer.encode(prompt, add_special_tokens=False)
+        ctx = self.settings.ctx_size
+        room = ctx - len(tokens)
+        if room <= 0:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {ctx} tokens, but the prompt is "
+                f"{len(tokens)} tokens. Shorten the messages or start the server with a larger --ctx-size.",
+                param="messages",
+                code="context_length_exceeded",
+            )
+        requested = req.max_completion_tokens or req.max_tokens
+        if requested is None and req.n_predict is not None and req.n_predict > 0:
+            requested = req.n_predict
+        return GenerationRequest(
+            id=request_id,
+            prompt_tokens=tokens,
+            max_tokens=min(requested, room) if requested else room,
+            sampling=self.sampling_params(req),
+            stop=self.stop_strings(req),
+        )
+
+    def render_prompt(self, req: ChatCompletionRequest) -> str:
+        messages = [self.template_message(i, m) for i, m in enumerate(req.messages)]
+        tools = getattr(req, "tools", None)
+        kwargs = dict(req.chat_template_kwargs or {})
+        if not self.tokenizer.has_chat_template:
+            return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, tools=tools or None, add_generation_prompt=True, tokenize=False, **kwargs
+            )
+        except jinja2.TemplateError as e:
+            raise APIError(400, f"the model's chat template rejected these messages: {e}", param="messages")
+        except (TypeError, ValueError, KeyError, IndexError) as e:
+            raise APIError(400, f"could not render the chat template for these messages: {e}", param="messages")
+
+    def template_message(self, i: int, m: ChatMessage) -> dict:
+        """One message as chat templates expect it; media on a text-only model is a 400."""
+        for field in ("images", "videos"):
+            if getattr(m, field):
+                raise APIError(400, f"messages[{i}].{field}: this model does not accept {field}", param=f"messages[{i}].{field}")
+        if isinstance(m.content, list):
+            texts = []
+            for j, part in enumerate(m.content):
+                if isinstance(part, TextPart):
+                    texts.append(part.text)
+                elif isinstance(part, RefusalPart):
+                    texts.append(part.refusal)
+                else:
+                    raise APIError(
+                        400,
+                        f"messages[{i}].content[{j}]: this model is text-only and does not accept '{part.type}' parts",
+                        param=f"messages[{i}].content[{j}]",
+                    )
+            content = "\n".join(texts)
+        else:
+            content = m.content or ""
+        out = {"role": ROLE_ALIASES.get(m.role, m.role), "content": content}
+        if m.name is not None:
+            out["name"] = m.name
+        if m.tool_call_id is not None:
+            out["tool_call_id"] = m.tool_call_id
+        if m.tool_calls:
+            calls = [c.model_dump(exclude_none=True) for c in m.tool_calls]
+            if "tool_calls" in self.template_source:
+                out["tool_calls"] = calls
+            else:  # a template without tool support still sees the calls, as text
+                out["content"] = (content + "\n" if content else "") + dumps([c["function"] for c in calls])
+        return out
+
+    def sampling_params(self, req: ChatCompletionRequest) -> SamplingParams:
+        bias = {}
+        for key, value in (req.logit_bias or {}).items():
+            if not key.lstrip("-").isdigit() or not 0 <= int(key) < self.vocab_size:
+                raise APIError(400, f"logit_bias: '{key}' is not a token id of this model (0..{self.vocab_size - 1})", param="logit_bias")
+            bias[int(key)] = value
+        window = req.repeat_last_n
+        if window is None:
+            window = 64
+        elif window == -1:
+            window = self.settings.ctx_size
+        penalty = req.repetition_penalty or req.repeat_penalty or 1.0
+        return SamplingParams(
+            temperature=0.7 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=req.top_k or 0,
+            min_p=req.min_p or 0.0,
+            repetition_penalty=penalty if window else 1.0,
+            repetition_context_size=max(window, 1),
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            logit_bias=bias,
+            seed=req.seed,
+        )
+
+    def stop_strings(self, req: ChatCompletionRequest) -> list[str]:
+        stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        limit, length = self.settings.max_stop_strings, self.settings.max_stop_length
+        if len(stops) > limit:
+            raise APIError(400, f"stop: at most {limit} stop strings are allowed, got {len(stops)}", param="stop")
+        if any(len(s) > length for s in stops):
+            raise APIError(400, f"stop: each stop string must be at most {length} characters", param="stop")
+        return [s for s in stops if s]
+
+    # ---- responses ----
+
+    async def create(self, req: ChatCompletionRequest, request: Request):
+        request_id = "chatcmpl-" + secrets.token_hex(12)
+        gen_request = await asyncio.to_thread(self.build_request, req, request_id)
+        handle = self.engine.submit(gen_request)
+        meta = {"id": request_id, "created": int(time.time()), "model": req.model}
+        if req.stream:
+            return StreamingResponse(
+                self._stream(handle, meta, request), media_type="text/event-stream", headers=SSE_HEADERS
+            )
+        return await self._complete(handle, meta, request)
+
+    async def _complete(self, handle: GenerationHandle, meta: dict, request: Request) -> JSONResponse:
+        watcher = on_disconnect(request, handle.cancel)
+        try:
+            parts = []
+            async for event in handle.events():
+                parts.append(event.text)
+        finally:
+            watcher.cancel()
+        if event.finish_reason == "error":
+            raise APIError(503, event.error or "generation failed", type="server_error", code="generation_failed")
+        body = {
+            **meta,
+            "object": "chat.completion",
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": "".join(parts), "refusal": None},
+                    "logprobs": None,
+                    "finish_reason": event.finish_reason,
+                }
+            ],
+            "usage": usage_dict(event),
+            "timings": event.timings.as_dict(),
+        }
+        return JSONResponse(body)
+
+    async def _stream(self, handle: GenerationHandle, meta: dict, request: Request):
+        watcher = on_disconnect(request, handle.cancel)
+        base = {**meta, "object": "chat.completion.chunk"}
+
+        def chunk(delta: dict, finish_reason=None, **extra) -> bytes:
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            return data_frame({**base, "choices": [choice], **extra})
+
+        try:
+            yield chunk({"role": "assistant"})
+            async for event in handle.events():
+                if event.finish_reason == "error":
+                    error = {"message": event.error, "type": "server_error", "param": None, "code": "generation_failed"}
+                    yield b"error: " + json.dumps({"message": event.error}).encode() + b"\n\n"
+                    yield data_frame({"error": error})
+                    return
+                if event.text:
+                    yield chunk({"content": event.text})
+                if event.finish_reason is not None:
+                    yield chunk({}, event.finish_reason, usage=usage_dict(event), timings=event.timings.as_dict())
+            yield DONE
+        finally:
+            watcher.cancel()
+            handle.cancel()
+
+
+def usage_dict(event: GenerationEvent) -> dict:
+    u = event.usage
+    return {
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+    }

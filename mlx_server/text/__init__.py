@@ -1,0 +1,1 @@
+"""Streaming text post-processing shared by every protocol (stop strings, ...)."""
