@@ -5,12 +5,17 @@ BIN := $(VENV)/bin
 # The MLX back-end wheel: Metal is built in on macOS; Linux needs mlx[cpu] or mlx[cuda13].
 MLX_EXTRA := $(shell if [ "$$(uname)" = Darwin ]; then echo ""; elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then echo cuda13; else echo cpu; fi)
 PORT ?= 8080
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo "sudo -n")
 
 .PHONY: setup serve test clean
 
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml Makefile
+	@# OpenBLAS makes float32 matmuls on Linux CPUs ~30x faster than the mlx-cpu wheel's BLAS.
+	@if [ "$$(uname)" = Linux ] && ! ls /usr/lib/*/openblas-pthread/libopenblas.so.0 >/dev/null 2>&1; then \
+	  $(SUDO) sh -c 'apt-get update -qq && apt-get install -y -qq libopenblas0-pthread' >/dev/null 2>&1 \
+	  || echo "note: could not install OpenBLAS (libopenblas0-pthread); CPU inference will be slower"; fi
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[test$(if $(MLX_EXTRA),$(comma)$(MLX_EXTRA))]'

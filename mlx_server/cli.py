@@ -22,6 +22,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ctx-size", type=int, default=4096, help="context window in tokens: prompt + completion never exceed it (default 4096)")
     p.add_argument("--api-key", default=None, help="require this key (Bearer or x-api-key) on every route but /health; default $MLX_API_KEY, else none")
     p.add_argument("--model-id", default="", help="the model id the API reports (default: derived from --model)")
+    p.add_argument("--dequantize", choices=["auto", "on", "off"], default="auto", help="dequantize quantized weights to float32 (auto: on CPUs when it fits in a quarter of RAM; faster there)")
+    p.add_argument("--no-openblas", dest="openblas", action="store_false", help="do not load the system OpenBLAS in place of the mlx-cpu wheel's reference BLAS (Linux)")
     p.add_argument("--version", action="version", version=f"mlx-server {__version__}")
     args = p.parse_args(argv)
     if not 0 < args.port < 65536:
@@ -34,6 +36,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     setup_logging()
+    from mlx_server.engine.device import preload_openblas
+
+    blas = preload_openblas() if args.openblas else None
     from mlx_server.engine.loader import ModelError, default_model_path, derive_model_id, load_model, resolve_model_path
 
     say("mlx-server starting...")
@@ -44,7 +49,7 @@ def main(argv: list[str] | None = None) -> None:
         say(f"Context size: {args.ctx_size}")
         path = resolve_model_path(model_arg)
         say(f"Loading model from: {path}")
-        loaded = load_model(path)
+        loaded = load_model(path, dequantize=args.dequantize)
     except ModelError as e:
         fatal(f"Error: {e}")
         sys.exit(1)
@@ -61,7 +66,9 @@ def main(argv: list[str] | None = None) -> None:
         logger.warning("--ctx-size %d is larger than the model's trained context (%d)", settings.ctx_size, loaded.context_length)
     if not _is_loopback(settings.host) and not api_key:
         logger.warning("WARNING: listening on %s without an API key: anyone who can reach this machine can use the model", settings.host)
-    say(f"Model loaded: {settings.model_id}")
+    if blas:
+        logger.info("CPU BLAS: %s", blas)
+    say(f"Model loaded: {settings.model_id} ({loaded.weights})")
     serve(loaded, settings)
 
 

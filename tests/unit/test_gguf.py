@@ -90,3 +90,11 @@ def test_non_llama_gguf_is_refused(tmp_path):
     mx.save_gguf(str(path), {"x": mx.zeros((4,))}, {"general.architecture": "mamba"})
     with pytest.raises(GGUFError, match="mamba"):
         load_gguf(path)
+
+
+def test_missing_tensors_are_reported(tmp_path):
+    path = tmp_path / "partial.gguf"
+    meta = {"general.architecture": "llama", "llama.block_count": mx.array(1, dtype=mx.uint32)}
+    mx.save_gguf(str(path), {"token_embd.weight": mx.zeros((8, 4))}, meta)
+    with pytest.raises(GGUFError, match="blk.0.attn_q.weight"):
+        load_gguf(path)

@@ -1,0 +1,115 @@
+"""Shared fixtures: the real SmolLM2 model (full GGUF and a 2-layer MLX copy) and real server processes."""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+CACHE = ROOT / ".cache"
+READY = "http server listening"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """A real `python -m mlx_server` on a real port; stdout lines are collected as they come."""
+
+    def __init__(self, *args: str, env: dict | None = None, port: int | None = None):
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.lines: list[str] = []
+        self._lines: queue.Queue = queue.Queue()
+        cmd = [sys.executable, "-m", "mlx_server", "--port", str(self.port), *args]
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, **(env or {})},
+        )
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self):
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+            self._lines.put(line.rstrip("\n"))
+        self._lines.put(None)
+
+    def wait_for_line(self, needle: str, timeout: float = 120) -> str:
+        """Blocks until a stdout line contains `needle` (case-insensitive); fails if the process exits."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                line = self._lines.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            if line is None:
+                raise AssertionError(f"server exited ({self.proc.wait()}): {self.stderr()}\n" + "\n".join(self.lines))
+            if needle.lower() in line.lower():
+                return line
+        raise AssertionError(f"no line with {needle!r} within {timeout}s:\n" + "\n".join(self.lines))
+
+    def wait_ready(self, timeout: float = 120) -> "ServerProcess":
+        self.wait_for_line(READY, timeout)
+        return self
+
+    def stderr(self) -> str:
+        return self.proc.stderr.read() if self.proc.poll() is not None else ""
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture(scope="session")
+def gguf_path() -> Path:
+    from mlx_server.engine.loader import default_model_path
+
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(gguf_path) -> Path:
+    """The first 2 of SmolLM2's 30 layers as an MLX directory: real tokenizer and template, fast."""
+    from mlx_server.engine.gguf import export_mlx_dir
+
+    out = CACHE / "models" / "smollm2-135m-2layers"
+    if not (out / "config.json").exists():
+        export_mlx_dir(gguf_path, out, num_layers=2)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_server(tiny_model_dir):
+    """One shared server on the 2-layer model, with a small context to make limits cheap to hit."""
+    server = ServerProcess("--model", str(tiny_model_dir), "--ctx-size", "1024", "--model-id", "tiny")
+    try:
+        yield server.wait_ready()
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def client(tiny_server):
+    with httpx.Client(base_url=tiny_server.url, timeout=120) as c:
+        yield c
