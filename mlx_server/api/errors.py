@@ -63,9 +63,11 @@ _TYPE_WORDS = {"str", "int", "float", "bool", "list", "dict", "none", "literal"}
 def _field_path(loc) -> str:
     """('body', 'messages', 0, 'content', 'list[...]', 1) -> 'messages[0].content[1]'."""
     path = ""
-    for part in loc:
+    for i, part in enumerate(loc):
         if part == "body" and not path:
             continue
+        if isinstance(part, str) and i + 1 < len(loc) and loc[i + 1] == part:
+            continue  # a content part's type tag before its same-named payload: text.text
         if isinstance(part, int):
             path += f"[{part}]"
         elif "[" in part or part.lower() in _TYPE_WORDS or part[:1].isupper():
