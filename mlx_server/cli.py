@@ -114,6 +114,9 @@ class _Server(uvicorn.Server):
     def handle_exit(self, sig, frame) -> None:
         self.engine.cancel_all()
         super().handle_exit(sig, frame)
+        # uvicorn re-raises captured signals after shutdown, which would end the process
+        # "killed by SIGTERM"; Jan expects a clean exit 0.
+        self._captured_signals.clear()
 
 
 def _is_loopback(host: str) -> bool:

@@ -225,6 +225,12 @@ class Engine:
             predicted_ms=1000.0 * (now - first),
         )
         usage = Usage(prompt_tokens=len(seq.request.prompt_tokens), completion_tokens=seq.generated)
+        why = "cancelled" if seq.cancelled else reason
+        logger.info(
+            "%s %s: %d prompt tokens, %d generated, %.1f tokens/s",
+            seq.request.id, why, usage.prompt_tokens, usage.completion_tokens,
+            timings.as_dict()["predicted_per_second"],
+        )
         self._emit(seq, GenerationEvent(text=text, finish_reason=reason, usage=usage, timings=timings, error=error))
 
     def _fail_all(self, message: str) -> None:
