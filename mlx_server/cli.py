@@ -22,6 +22,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ctx-size", type=int, default=4096, help="context window in tokens: prompt + completion never exceed it (default 4096)")
     p.add_argument("--api-key", default=None, help="require this key (Bearer or x-api-key) on every route but /health; default $MLX_API_KEY, else none")
     p.add_argument("--model-id", default="", help="the model id the API reports (default: derived from --model)")
+    p.add_argument("--max-concurrency", type=int, default=32, help="sequences decoded together in one batch (default 32)")
+    p.add_argument("--max-queue", type=int, default=64, help="requests that may wait for a batch slot; beyond that a 429 (default 64)")
+    p.add_argument("--prompt-cache-bytes", type=_size, default=2 << 30, help="byte cap of the prefix KV cache kept between requests, e.g. 512M, 2G; 0 turns it off (default 2G)")
     p.add_argument("--dequantize", choices=["auto", "on", "off"], default="auto", help="dequantize quantized weights to float32 (auto: on CPUs when it fits in a quarter of RAM; faster there)")
     p.add_argument("--no-openblas", dest="openblas", action="store_false", help="do not load the system OpenBLAS in place of the mlx-cpu wheel's reference BLAS (Linux)")
     p.add_argument("--version", action="version", version=f"mlx-server {__version__}")
@@ -30,6 +33,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--port must be between 1 and 65535, got {args.port}")
     if args.ctx_size < 1:
         p.error(f"--ctx-size must be positive, got {args.ctx_size}")
+    if args.max_concurrency < 1 or args.max_queue < 0:
+        p.error("--max-concurrency must be at least 1 and --max-queue at least 0")
     return args
 
 
@@ -61,6 +66,9 @@ def main(argv: list[str] | None = None) -> None:
         host=args.host,
         port=args.port,
         api_key=api_key,
+        max_concurrency=args.max_concurrency,
+        max_queue=args.max_queue,
+        prompt_cache_bytes=args.prompt_cache_bytes,
     )
     if loaded.context_length and settings.ctx_size > loaded.context_length:
         logger.warning("--ctx-size %d is larger than the model's trained context (%d)", settings.ctx_size, loaded.context_length)
@@ -76,7 +84,13 @@ def serve(loaded, settings: Settings) -> None:
     from mlx_server.api.app import create_app
     from mlx_server.engine.scheduler import Engine
 
-    engine = Engine(loaded.model, loaded.tokenizer)
+    engine = Engine(
+        loaded.model,
+        loaded.tokenizer,
+        completion_batch_size=settings.max_concurrency,
+        prompt_cache_bytes=settings.prompt_cache_bytes,
+        max_queue=settings.max_queue,
+    )
     engine.start()
     app = create_app(engine, settings)
     config = uvicorn.Config(
@@ -117,6 +131,19 @@ class _Server(uvicorn.Server):
         # uvicorn re-raises captured signals after shutdown, which would end the process
         # "killed by SIGTERM"; Jan expects a clean exit 0.
         self._captured_signals.clear()
+
+
+def _size(text: str) -> int:
+    """'512M', '2G', '1048576' -> bytes."""
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+    t = text.strip().lower().removesuffix("b").removesuffix("i")
+    try:
+        value = float(t[:-1]) * units[t[-1]] if t and t[-1] in units else float(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 512M or 2G)")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"a size cannot be negative: {text!r}")
+    return int(value)
 
 
 def _is_loopback(host: str) -> bool:

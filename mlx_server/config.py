@@ -17,3 +17,6 @@ class Settings:
     max_body_bytes: int = MAX_BODY_BYTES
     max_stop_strings: int = 16
     max_stop_length: int = 512
+    max_concurrency: int = 32
+    max_queue: int = 64
+    prompt_cache_bytes: int = 2 << 30

@@ -9,7 +9,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from mlx_server.api import system
+from mlx_server.api import metrics, system
 from mlx_server.api.errors import APIError, error_response_for, status_error, unauthorized, validation_error
 from mlx_server.api.openai.router import router as openai_router
 from mlx_server.api.openai.serving import ChatServing
@@ -28,7 +28,9 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
     app.state.settings = settings
     app.state.started = int(time.time())
     app.state.chat = ChatServing(engine, settings)
+    app.state.metrics = metrics.make_registry(engine)
     app.include_router(system.router)
+    app.include_router(metrics.router)
     app.include_router(openai_router)
 
     @app.exception_handler(APIError)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
+from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
 
 from mlx_server.engine.request import GenerationEvent, GenerationRequest, Timings, Usage
 from mlx_server.engine.sampling import make_processors, make_sampler
@@ -32,10 +33,15 @@ class _Sequence:
     stop: StopMatcher
     cancelled: bool = False
     uid: int | None = None
+    cached: int = 0
     generated: int = 0
     t_start: float = 0.0
     t_first: float = 0.0
     done: bool = field(default=False)
+
+
+class EngineBusy(Exception):
+    """Every batch slot and queue place is taken; the caller should answer 429."""
 
 
 class GenerationHandle:
@@ -65,9 +71,23 @@ class GenerationHandle:
 class Engine:
     """Owns the model and the KV caches; everything else reaches it through `submit`/`cancel_all`."""
 
-    def __init__(self, model, tokenizer, *, completion_batch_size: int = 32, prefill_step_size: int = 2048):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        *,
+        completion_batch_size: int = 32,
+        prefill_step_size: int = 2048,
+        prompt_cache_bytes: int = 2 << 30,
+        max_queue: int = 64,
+    ):
         self.model = model
         self.tokenizer = tokenizer
+        # Finished sequences' KV caches, keyed by their tokens, so a re-sent conversation only
+        # prefills what is new. mlx-lm's LRU evicts until its byte total is under the cap.
+        self.prompt_cache = LRUPromptCache(max_size=1 << 30, max_bytes=prompt_cache_bytes)
+        self._cache_enabled = prompt_cache_bytes > 0
+        self.max_live = completion_batch_size + max_queue
         self._batch_args = dict(
             completion_batch_size=completion_batch_size,
             prefill_step_size=prefill_step_size,
@@ -98,6 +118,8 @@ class Engine:
         detokenizer.reset()
         seq = _Sequence(request, loop, asyncio.Queue(), detokenizer, StopMatcher(request.stop))
         with self._live_lock:
+            if len(self._live) >= self.max_live:
+                raise EngineBusy(f"the server is busy: {len(self._live)} generations are running or waiting")
             self._live[request.id] = seq
         self._inbox.put(seq)
         return GenerationHandle(self, seq)
@@ -164,10 +186,24 @@ class Engine:
 
     def _insert(self, seq: _Sequence) -> None:
         req = seq.request
+        tokens = req.prompt_tokens
         try:
+            cache, rest = None, tokens
+            if self._cache_enabled:
+                cache, rest = self.prompt_cache.fetch_nearest_cache(_MODEL_KEY, tokens)
+                if cache is not None and not rest:
+                    # The whole prompt is cached, but the last token must be run to get logits.
+                    if can_trim_prompt_cache(cache):
+                        trim_prompt_cache(cache, 1)
+                        rest = tokens[-1:]
+                    else:
+                        cache, rest = None, tokens
+            seq.cached = len(tokens) - len(rest)
             (uid,) = self._gen.insert(
-                [req.prompt_tokens],
+                [rest],
                 max_tokens=[req.max_tokens],
+                caches=[cache],
+                all_tokens=[tokens[: seq.cached]],
                 samplers=[make_sampler(req.sampling)],
                 logits_processors=[make_processors(req.sampling)],
             )
@@ -182,7 +218,7 @@ class Engine:
     def _drop_cancelled(self) -> None:
         gone = [seq for seq in self._active.values() if seq.cancelled]
         if gone:
-            self._gen.remove([seq.uid for seq in gone])
+            self._remove(gone)
             for seq in gone:
                 self._finish(seq, "stop", self._flush(seq))
 
@@ -190,18 +226,30 @@ class Engine:
         seq.generated += 1
         if seq.generated == 1:
             seq.t_first = time.perf_counter()
+        if r.finish_reason is not None:
+            self._keep_cache(r.all_tokens, r.prompt_cache)
         if r.finish_reason == "stop":  # an end-of-sequence token: never shown
             self._finish(seq, "stop", self._flush(seq))
             return
         seq.detokenizer.add_token(r.token)
         text = seq.stop.feed(seq.detokenizer.last_segment)
         if seq.stop.stopped is not None:
-            self._gen.remove([seq.uid])
+            self._remove([seq])
             self._finish(seq, "stop", text)
         elif r.finish_reason == "length":
             self._finish(seq, "length", text + self._flush(seq))
         elif text:
             self._emit(seq, GenerationEvent(text=text))
+
+    def _remove(self, seqs: list[_Sequence]) -> None:
+        """Take sequences out of the batch before their natural end, keeping their KV caches."""
+        caches = self._gen.remove([s.uid for s in seqs], return_prompt_caches=self._cache_enabled)
+        for cache, tokens in caches.values():
+            self._keep_cache(tokens, cache)
+
+    def _keep_cache(self, tokens, cache) -> None:
+        if self._cache_enabled and tokens and cache:
+            self.prompt_cache.insert_cache(_MODEL_KEY, list(tokens), cache)
 
     @staticmethod
     def _flush(seq: _Sequence) -> str:
@@ -219,16 +267,17 @@ class Engine:
         now = time.perf_counter()
         first = seq.t_first or now
         timings = Timings(
-            prompt_n=len(seq.request.prompt_tokens),
+            prompt_n=len(seq.request.prompt_tokens) - seq.cached,
+            cache_n=seq.cached,
             prompt_ms=1000.0 * (first - seq.t_start) if seq.t_start else 0.0,
             predicted_n=seq.generated,
             predicted_ms=1000.0 * (now - first),
         )
-        usage = Usage(prompt_tokens=len(seq.request.prompt_tokens), completion_tokens=seq.generated)
+        usage = Usage(len(seq.request.prompt_tokens), seq.generated, cached_tokens=seq.cached)
         why = "cancelled" if seq.cancelled else reason
         logger.info(
-            "%s %s: %d prompt tokens, %d generated, %.1f tokens/s",
-            seq.request.id, why, usage.prompt_tokens, usage.completion_tokens,
+            "%s %s: %d prompt tokens (%d cached), %d generated, %.1f tokens/s",
+            seq.request.id, why, usage.prompt_tokens, seq.cached, usage.completion_tokens,
             timings.as_dict()["predicted_per_second"],
         )
         self._emit(seq, GenerationEvent(text=text, finish_reason=reason, usage=usage, timings=timings, error=error))
@@ -249,3 +298,4 @@ class Engine:
 
 
 _WAKE = object()
+_MODEL_KEY = "model"  # one model per process; mlx-lm's cache can hold several

@@ -17,7 +17,7 @@ from mlx_server.api.openai.protocol import ChatCompletionRequest, ChatMessage, T
 from mlx_server.api.sse import DONE, SSE_HEADERS, data_frame, dumps, on_disconnect
 from mlx_server.config import Settings
 from mlx_server.engine.request import GenerationEvent, GenerationRequest, SamplingParams
-from mlx_server.engine.scheduler import Engine, GenerationHandle
+from mlx_server.engine.scheduler import Engine, EngineBusy, GenerationHandle
 
 ROLE_ALIASES = {"developer": "system", "function": "tool"}
 
@@ -145,7 +145,7 @@ class ChatServing:
     async def create(self, req: ChatCompletionRequest, request: Request):
         request_id = "chatcmpl-" + secrets.token_hex(12)
         gen_request = await asyncio.to_thread(self.build_request, req, request_id)
-        handle = self.engine.submit(gen_request)
+        handle = submit(self.engine, gen_request)
         meta = {"id": request_id, "created": int(time.time()), "model": req.model}
         if req.stream:
             return StreamingResponse(
@@ -203,6 +203,14 @@ class ChatServing:
         finally:
             watcher.cancel()
             handle.cancel()
+
+
+def submit(engine: Engine, request: GenerationRequest) -> GenerationHandle:
+    """Hand a request to the engine; a full queue is a 429 rather than unbounded growth."""
+    try:
+        return engine.submit(request)
+    except EngineBusy as e:
+        raise APIError(429, f"{e}; retry shortly", type="rate_limit_error", code="server_busy")
 
 
 def usage_dict(event: GenerationEvent) -> dict:
