@@ -51,9 +51,9 @@ def passage(start: int, n: int) -> str:
     return " ".join(SENTENCES[(start + i) % len(SENTENCES)] for i in range(n))
 
 
-def single_messages(tag: int) -> list[dict]:
-    """The single-stream prompt, ~100 tokens; `tag` makes each round's prompt distinct (no prefix reuse)."""
-    return [{"role": "user", "content": f"Story {tag}. Here is a setting: {passage(tag, 4)} "
+def single_messages(tag: int, sentences: int = 4) -> list[dict]:
+    """The single-stream prompt, ~100 tokens with the template; `tag` makes each round's prompt distinct."""
+    return [{"role": "user", "content": f"Story {tag}. Here is a setting: {passage(tag, sentences)} "
              "Write a long, detailed story set in this town, with many events and dialogue."}]
 
 
@@ -63,9 +63,9 @@ def concurrent_messages(i: int) -> list[dict]:
              "with many events and dialogue."}]
 
 
-def turn_text(k: int) -> str:
+def turn_text(k: int, sentences: int = 5) -> str:
     """The user text of turn k of the multi-turn chat, ~100 tokens."""
-    return f"Turn {k}. More notes about the town: {passage(k * 5, 5)} Answer briefly: what happens next?"
+    return f"Turn {k}. More notes about the town: {passage(k * 5, sentences)} Answer briefly: what happens next?"
 
 
 # ---------------------------------------------------------------- servers
@@ -239,7 +239,7 @@ async def run_single(servers: list[dict], engines: list[str], model: Path, args)
     async with httpx.AsyncClient(timeout=None) as c:
         for rnd in range(args.rounds):
             for who in rotate([x["name"] for x in servers] + engines, rnd):
-                msgs = single_messages(rnd)
+                msgs = single_messages(rnd, 1 if args.quick else 4)
                 if who.startswith("engine-"):
                     r = await asyncio.to_thread(run_engine, who.split("-")[1], model, msgs, args.tokens)
                 else:
@@ -266,7 +266,7 @@ async def run_multiturn(servers: list[dict], args) -> dict:
         for k in range(1, args.turns + 1):
             for srv in rotate(servers, k):
                 h = hist[srv["name"]]
-                h.append({"role": "user", "content": turn_text(k)})
+                h.append({"role": "user", "content": turn_text(k, 1 if args.quick else 5)})
                 r = await chat(c, srv, h, args.turn_tokens)
                 h.append({"role": "assistant", "content": r.pop("text")})
                 turns[srv["name"]].append(r)
@@ -277,7 +277,7 @@ async def run_multiturn(servers: list[dict], args) -> dict:
         ttft = [r["ttft"] for r in rs]
         out[name] = {"ttft": ttft, "prompt_tokens": [r["prompt_tokens"] for r in rs],
                      "cached_tokens": [r["cached_tokens"] for r in rs],
-                     "last_over_turn2": ttft[-1] / ttft[1] if len(ttft) > 1 and ttft[1] > 0 else None}
+                     "last_over_turn2": ttft[-1] / ttft[1] if len(ttft) > 2 and ttft[1] > 0 else None}
     return out
 
 
@@ -294,6 +294,7 @@ async def run_concurrent(servers: list[dict], args) -> dict:
                 wall = time.perf_counter() - t0
                 tokens = sum(r["completion_tokens"] for r in rs)
                 out[srv["name"]][n] = {"total_tps": tokens / wall, "wall_s": wall, "completion_tokens": tokens,
+                                       "prompt_tokens": median([r["prompt_tokens"] for r in rs]),
                                        "median_ttft": statistics.median(r["ttft"] for r in rs),
                                        "max_ttft": max(r["ttft"] for r in rs)}
                 log(f"concurrent {n} {srv['name']}: {tokens / wall:.1f} tok/s total, "
@@ -360,6 +361,7 @@ def table(res: dict, cols: list[str]) -> str:
         for n in sorted({n for v in cc.values() for n in v}):
             row(f"concurrent {n}: total tok/s", {c: cc[c][n]["total_tps"] for c in cc if n in cc[c]})
             row(f"concurrent {n}: median TTFT s", {c: cc[c][n]["median_ttft"] for c in cc if n in cc[c]}, 2)
+            row(f"concurrent {n}: % of ceiling", {c: 100 * cc[c][n]["of_ceiling"] for c in cc if n in cc[c]}, 1, False)
     header = ["metric"] + cols
     widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
     line = lambda r: "  ".join(str(x).ljust(w) if i == 0 else str(x).rjust(w) for i, (x, w) in enumerate(zip(r, widths)))
@@ -371,15 +373,18 @@ def table(res: dict, cols: list[str]) -> str:
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="a smoke run: fewer tokens and turns, 1 and 2 clients")
+    p.add_argument("--quick", action="store_true", help="a smoke run: short prompts, fewer tokens and turns, 1 and 2 clients")
     p.add_argument("--model", default=str(DEFAULT_MODEL), help="MLX model directory (default: SmolLM2-135M, exported once)")
     p.add_argument("--workloads", default="single,multiturn,concurrent")
     p.add_argument("--clients", default=None, help="concurrent client counts (default 1,4,8; --quick 1,2)")
     p.add_argument("--servers", default="ours,ours-4bit,mlx_lm", help="server columns to run")
+    p.add_argument("--ours-4bit-workloads", default=None,
+                   help="workloads the ours-4bit column runs (default single,multiturn: 4-bit decodes at ~7 tokens/s "
+                        "total on this CPU at any batch size, so concurrent would add ~4 minutes; --quick: all)")
     p.add_argument("--no-engine", action="store_true", help="skip the in-process engine baselines")
-    p.add_argument("--tokens", type=int, default=None, help="completion tokens, single and concurrent (default 128; --quick 24)")
+    p.add_argument("--tokens", type=int, default=None, help="completion tokens, single and concurrent (default 128; --quick 16)")
     p.add_argument("--turns", type=int, default=None, help="multiturn turns (default 10; --quick 3)")
-    p.add_argument("--turn-tokens", type=int, default=None, help="completion tokens per turn (default 32; --quick 8)")
+    p.add_argument("--turn-tokens", type=int, default=None, help="completion tokens per turn (default 16; --quick 8)")
     p.add_argument("--rounds", type=int, default=1, help="single-workload rounds (median reported)")
     p.add_argument("--bandwidth", type=float, default=31e9, help="memory bandwidth in bytes/s (default 31e9, this CPU)")
     p.add_argument("--json-out", default=None, help="also write the JSON result to this file")
@@ -387,12 +392,13 @@ def parse_args():
     p.add_argument("--messages", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
     q = a.quick
-    a.tokens = a.tokens or (24 if q else 128)
+    a.tokens = a.tokens or (16 if q else 128)
     a.turns = a.turns or (3 if q else 10)
-    a.turn_tokens = a.turn_tokens or (8 if q else 32)
+    a.turn_tokens = a.turn_tokens or (8 if q else 16)
     a.clients = [int(x) for x in (a.clients or ("1,2" if q else "1,4,8")).split(",")]
     a.workloads = [w for w in a.workloads.split(",") if w]
     a.servers = [s for s in a.servers.split(",") if s]
+    a.ours_4bit_workloads = (a.ours_4bit_workloads or ("single,multiturn,concurrent" if q else "single,multiturn")).split(",")
     return a
 
 
@@ -415,7 +421,7 @@ async def main_async(a) -> dict:
     engines = [] if a.no_engine else ["engine-f32", "engine-4bit"]
     res = {"machine": {"cpus": os.cpu_count(), "platform": sys.platform}, "model": str(model),
            "settings": {k: getattr(a, k) for k in ("quick", "tokens", "turns", "turn_tokens", "clients", "rounds",
-                                                   "bandwidth", "workloads", "servers")},
+                                                   "bandwidth", "workloads", "servers", "ours_4bit_workloads")},
            "commands": {s["name"]: " ".join(s["cmd"]) for s in servers}}
     try:
         await asyncio.gather(*[wait_ready(s) for s in servers])
@@ -449,10 +455,16 @@ async def main_async(a) -> dict:
             if eng and not col.startswith("engine") and s["decode_tps"] and eng["decode_tps"]:
                 s["vs_engine"] = s["decode_tps"] / eng["decode_tps"]
 
-        if "multiturn" in a.workloads:
-            res["multiturn"] = await run_multiturn(servers, a)
-        if "concurrent" in a.workloads:
-            res["concurrent"] = await run_concurrent(servers, a)
+        for name, run in (("multiturn", run_multiturn), ("concurrent", run_concurrent)):
+            if name in a.workloads:
+                res[name] = await run([s for s in servers if s["name"] != "ours-4bit" or name in a.ours_4bit_workloads], a)
+        for col, by_n in res.get("concurrent", {}).items():
+            w = res["weights"][col]
+            for n, r in by_n.items():
+                # n streams share one read of the weights per step; each reads its own KV cache.
+                ctx = (r["prompt_tokens"] or 0) + a.tokens / 2
+                r["ceiling_tps"] = n * ceiling(a.bandwidth, w["bytes"], n * w["kv_bytes_per_pos"], ctx)
+                r["of_ceiling"] = r["total_tps"] / r["ceiling_tps"]
     finally:
         for s in servers:
             stop_server(s)
