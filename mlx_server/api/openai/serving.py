@@ -8,13 +8,13 @@ import json
 import secrets
 import time
 
-import jinja2
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import Request
 
 from mlx_server.api.errors import APIError
 from mlx_server.api.openai.protocol import ChatCompletionRequest, ChatMessage, TextPart, RefusalPart
-from mlx_server.api.sse import DONE, SSE_HEADERS, data_frame, dumps, on_disconnect
+from mlx_server.api.prompt import ChatPrompt
+from mlx_server.api.sse import DONE, SSE_HEADERS, data_frame, on_disconnect
 from mlx_server.config import Settings
 from mlx_server.engine.request import GenerationEvent, GenerationRequest, SamplingParams
 from mlx_server.engine.scheduler import Engine, EngineBusy, GenerationHandle
@@ -25,52 +25,26 @@ ROLE_ALIASES = {"developer": "system", "function": "tool"}
 class ChatServing:
     def __init__(self, engine: Engine, settings: Settings):
         self.engine = engine
-        self.tokenizer = engine.tokenizer
         self.settings = settings
-        self.template_source = self.tokenizer.chat_template or ""
-        self.vocab_size = max(self.tokenizer.vocab_size, len(self.tokenizer.get_vocab()))
+        self.prompt = ChatPrompt(engine.tokenizer, settings)
 
     # ---- request translation ----
 
     def build_request(self, req: ChatCompletionRequest, request_id: str) -> GenerationRequest:
         """Render the prompt and check every limit; raises APIError naming the field at fault."""
-        prompt = self.render_prompt(req)
-        tokens = self.tokenizer.encode(prompt, add_special_tokens=False)
-        ctx = self.settings.ctx_size
-        room = ctx - len(tokens)
-        if room <= 0:
-            raise APIError(
-                400,
-                f"This model's maximum context length is {ctx} tokens, but the prompt is "
-                f"{len(tokens)} tokens. Shorten the messages or start the server with a larger --ctx-size.",
-                param="messages",
-                code="context_length_exceeded",
-            )
+        messages = [self.template_message(i, m) for i, m in enumerate(req.messages)]
+        text = self.prompt.render(messages, getattr(req, "tools", None), req.chat_template_kwargs)
+        tokens = self.prompt.encode(text)
         requested = req.max_completion_tokens or req.max_tokens
         if requested is None and req.n_predict is not None and req.n_predict > 0:
             requested = req.n_predict
         return GenerationRequest(
             id=request_id,
             prompt_tokens=tokens,
-            max_tokens=min(requested, room) if requested else room,
+            max_tokens=self.prompt.completion_budget(len(tokens), requested),
             sampling=self.sampling_params(req),
-            stop=self.stop_strings(req),
+            stop=self.prompt.stop_strings(req.stop),
         )
-
-    def render_prompt(self, req: ChatCompletionRequest) -> str:
-        messages = [self.template_message(i, m) for i, m in enumerate(req.messages)]
-        tools = getattr(req, "tools", None)
-        kwargs = dict(req.chat_template_kwargs or {})
-        if not self.tokenizer.has_chat_template:
-            return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
-        try:
-            return self.tokenizer.apply_chat_template(
-                messages, tools=tools or None, add_generation_prompt=True, tokenize=False, **kwargs
-            )
-        except jinja2.TemplateError as e:
-            raise APIError(400, f"the model's chat template rejected these messages: {e}", param="messages")
-        except (TypeError, ValueError, KeyError, IndexError) as e:
-            raise APIError(400, f"could not render the chat template for these messages: {e}", param="messages")
 
     def template_message(self, i: int, m: ChatMessage) -> dict:
         """One message as chat templates expect it; media on a text-only model is a 400."""
@@ -99,18 +73,14 @@ class ChatServing:
         if m.tool_call_id is not None:
             out["tool_call_id"] = m.tool_call_id
         if m.tool_calls:
-            calls = [c.model_dump(exclude_none=True) for c in m.tool_calls]
-            if "tool_calls" in self.template_source:
-                out["tool_calls"] = calls
-            else:  # a template without tool support still sees the calls, as text
-                out["content"] = (content + "\n" if content else "") + dumps([c["function"] for c in calls])
+            out = self.prompt.assistant_tool_calls(out, [c.model_dump(exclude_none=True) for c in m.tool_calls])
         return out
 
     def sampling_params(self, req: ChatCompletionRequest) -> SamplingParams:
         bias = {}
         for key, value in (req.logit_bias or {}).items():
-            if not key.lstrip("-").isdigit() or not 0 <= int(key) < self.vocab_size:
-                raise APIError(400, f"logit_bias: '{key}' is not a token id of this model (0..{self.vocab_size - 1})", param="logit_bias")
+            if not key.lstrip("-").isdigit() or not 0 <= int(key) < self.prompt.vocab_size:
+                raise APIError(400, f"logit_bias: '{key}' is not a token id of this model (0..{self.prompt.vocab_size - 1})", param="logit_bias")
             bias[int(key)] = value
         window = req.repeat_last_n
         if window is None:
@@ -130,15 +100,6 @@ class ChatServing:
             logit_bias=bias,
             seed=req.seed,
         )
-
-    def stop_strings(self, req: ChatCompletionRequest) -> list[str]:
-        stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-        limit, length = self.settings.max_stop_strings, self.settings.max_stop_length
-        if len(stops) > limit:
-            raise APIError(400, f"stop: at most {limit} stop strings are allowed, got {len(stops)}", param="stop")
-        if any(len(s) > length for s in stops):
-            raise APIError(400, f"stop: each stop string must be at most {length} characters", param="stop")
-        return [s for s in stops if s]
 
     # ---- responses ----
 

@@ -1,0 +1,72 @@
+"""Shared by every protocol: chat-template messages -> prompt tokens within the context window.
+
+Each protocol translates its own messages into the shape chat templates expect
+(`{"role", "content", "tool_calls"?, "tool_call_id"?, "name"?}`) and hands them here.
+"""
+
+from __future__ import annotations
+
+import jinja2
+
+from mlx_server.api.errors import APIError
+from mlx_server.api.sse import dumps
+from mlx_server.config import Settings
+
+
+class ChatPrompt:
+    def __init__(self, tokenizer, settings: Settings):
+        self.tokenizer = tokenizer
+        self.settings = settings
+        self.template_source = tokenizer.chat_template or ""
+        self.vocab_size = max(tokenizer.vocab_size, len(tokenizer.get_vocab()))
+
+    @property
+    def template_supports_tools(self) -> bool:
+        return "tool_calls" in self.template_source
+
+    def assistant_tool_calls(self, message: dict, calls: list[dict]) -> dict:
+        """Attach tool calls to an assistant message; a template without tool support sees them as text."""
+        if self.template_supports_tools:
+            return {**message, "tool_calls": calls}
+        content = message.get("content") or ""
+        text = dumps([c["function"] for c in calls])
+        return {**message, "content": (content + "\n" if content else "") + text}
+
+    def render(self, messages: list[dict], tools: list | None = None, template_kwargs: dict | None = None) -> str:
+        """The prompt text, ending where the assistant's answer starts; template errors are 400s."""
+        if not self.tokenizer.has_chat_template:
+            return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, tools=tools or None, add_generation_prompt=True, tokenize=False, **(template_kwargs or {})
+            )
+        except jinja2.TemplateError as e:
+            raise APIError(400, f"the model's chat template rejected these messages: {e}", param="messages")
+        except (TypeError, ValueError, KeyError, IndexError) as e:
+            raise APIError(400, f"could not render the chat template for these messages: {e}", param="messages")
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def completion_budget(self, n_prompt: int, requested: int | None, param: str = "messages") -> int:
+        """max_tokens bounded by the context window; a prompt that cannot fit is a 400."""
+        ctx = self.settings.ctx_size
+        room = ctx - n_prompt
+        if room <= 0:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {ctx} tokens, but the prompt is "
+                f"{n_prompt} tokens. Shorten the messages or start the server with a larger --ctx-size.",
+                param=param,
+                code="context_length_exceeded",
+            )
+        return min(requested, room) if requested else room
+
+    def stop_strings(self, stop: str | list[str] | None, param: str = "stop") -> list[str]:
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        limit, length = self.settings.max_stop_strings, self.settings.max_stop_length
+        if len(stops) > limit:
+            raise APIError(400, f"{param}: at most {limit} stop strings are allowed, got {len(stops)}", param=param)
+        if any(len(s) > length for s in stops):
+            raise APIError(400, f"{param}: each stop string must be at most {length} characters", param=param)
+        return [s for s in stops if s]
