@@ -18,6 +18,7 @@ from mlx_server.api.sse import DONE, SSE_HEADERS, data_frame, on_disconnect
 from mlx_server.config import Settings
 from mlx_server.engine.request import GenerationEvent, GenerationRequest, SamplingParams
 from mlx_server.engine.scheduler import Engine, EngineBusy, GenerationHandle
+from mlx_server.text.chat_output import ChatOutput, OutputDelta, ToolCallDelta
 
 ROLE_ALIASES = {"developer": "system", "function": "tool"}
 
@@ -116,23 +117,32 @@ class ChatServing:
 
     async def _complete(self, handle: GenerationHandle, meta: dict, request: Request) -> JSONResponse:
         watcher = on_disconnect(request, handle.cancel)
+        output = ChatOutput()
+        parts: list[OutputDelta] = []
         try:
-            parts = []
             async for event in handle.events():
-                parts.append(event.text)
+                parts.append(output.feed(event.text))
         finally:
             watcher.cancel()
         if event.finish_reason == "error":
             raise APIError(503, event.error or "generation failed", type="server_error", code="generation_failed")
+        parts.append(output.finish())
+        message = {"role": "assistant", "content": "".join(p.content for p in parts), "refusal": None}
+        reasoning = "".join(p.reasoning for p in parts)
+        if reasoning:
+            message["reasoning_content"] = reasoning
+        calls = merge_tool_calls(d for p in parts for d in p.tool_calls)
+        if calls:
+            message["tool_calls"] = calls
         body = {
             **meta,
             "object": "chat.completion",
             "choices": [
                 {
                     "index": 0,
-                    "message": {"role": "assistant", "content": "".join(parts), "refusal": None},
+                    "message": message,
                     "logprobs": None,
-                    "finish_reason": event.finish_reason,
+                    "finish_reason": "tool_calls" if calls else event.finish_reason,
                 }
             ],
             "usage": usage_dict(event),
@@ -143,6 +153,7 @@ class ChatServing:
     async def _stream(self, handle: GenerationHandle, meta: dict, request: Request):
         watcher = on_disconnect(request, handle.cancel)
         base = {**meta, "object": "chat.completion.chunk"}
+        output = ChatOutput()
 
         def chunk(delta: dict, finish_reason=None, **extra) -> bytes:
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
@@ -156,14 +167,58 @@ class ChatServing:
                     yield b"error: " + json.dumps({"message": event.error}).encode() + b"\n\n"
                     yield data_frame({"error": error})
                     return
-                if event.text:
-                    yield chunk({"content": event.text})
+                delta = output.feed(event.text)
                 if event.finish_reason is not None:
-                    yield chunk({}, event.finish_reason, usage=usage_dict(event), timings=event.timings.as_dict())
+                    tail = output.finish()
+                    delta = OutputDelta(delta.content + tail.content, delta.reasoning + tail.reasoning, delta.tool_calls + tail.tool_calls)
+                if delta:
+                    yield chunk(delta_dict(delta))
+                if event.finish_reason is not None:
+                    reason = "tool_calls" if output.tool_calls_seen else event.finish_reason
+                    yield chunk({}, reason, usage=usage_dict(event), timings=event.timings.as_dict())
             yield DONE
         finally:
             watcher.cancel()
             handle.cancel()
+
+
+def delta_dict(delta: OutputDelta) -> dict:
+    """An OutputDelta as an OpenAI `delta` object (only the keys that have something)."""
+    out = {}
+    if delta.reasoning:
+        out["reasoning_content"] = delta.reasoning
+    if delta.content:
+        out["content"] = delta.content
+    if delta.tool_calls:
+        out["tool_calls"] = [tool_call_delta_dict(d) for d in delta.tool_calls]
+    return out
+
+
+def tool_call_delta_dict(d: ToolCallDelta) -> dict:
+    out = {"index": d.index}
+    if d.id is not None:
+        out["id"] = d.id
+        out["type"] = "function"
+    function = {}
+    if d.name is not None:
+        function["name"] = d.name
+    if d.arguments or d.name is not None:
+        function["arguments"] = d.arguments
+    out["function"] = function
+    return out
+
+
+def merge_tool_calls(deltas) -> list[dict]:
+    """Streamed tool-call deltas -> complete `message.tool_calls` entries, in index order."""
+    calls: dict[int, dict] = {}
+    for d in deltas:
+        call = calls.setdefault(d.index, {"id": None, "type": "function", "function": {"name": None, "arguments": ""}})
+        if d.id is not None:
+            call["id"] = d.id
+        if d.name is not None:
+            call["function"]["name"] = d.name
+        call["function"]["arguments"] += d.arguments
+    return [calls[i] for i in sorted(calls)]
 
 
 def submit(engine: Engine, request: GenerationRequest) -> GenerationHandle:
