@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import math
 import os
 import sys
 
@@ -25,6 +26,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-concurrency", type=int, default=32, help="sequences decoded together in one batch (default 32)")
     p.add_argument("--max-queue", type=int, default=64, help="requests that may wait for a batch slot; beyond that a 429 (default 64)")
     p.add_argument("--prompt-cache-bytes", type=_size, default=2 << 30, help="byte cap of the prefix KV cache kept between requests, e.g. 512M, 2G; 0 turns it off (default 2G)")
+    p.add_argument("--memory-limit", type=_size, default=None, help="MLX memory limit, e.g. 12G (default: the GPU's recommended working set on Metal, else MLX's 80%% of RAM); MLX enforces it on Metal, and the KV cache budget is planned within it")
+    p.add_argument("--cache-limit", type=_size, default=None, help="freed buffers MLX keeps for reuse (default: 1G, or a quarter of --memory-limit if smaller)")
+    p.add_argument("--kv-cache-limit", type=_size, default=None, help="KV cache memory all running generations may use together: requests wait for room, a completion stops with 'length' at it, a prompt that cannot fit is a 400; 0 = no cap (default: 75%% of what --memory-limit leaves after the weights and caches, at least one --ctx-size)")
+    p.add_argument("--metrics", choices=["on", "off"], default="on", help="Prometheus metrics at /metrics, behind --api-key when one is set (default on)")
+    p.add_argument("--cors-origins", default="", help="comma-separated origins that browsers may call the API from, e.g. http://localhost:1420, or '*' (default: none, CORS off)")
+    p.add_argument("--chat-template", metavar="FILE", default=None, help="a Jinja chat template file to use in place of the model's own")
+    p.add_argument("--tool-call-parser", metavar="NAME", default=None, help="the model's tool-call format, one of mlx-lm's tool parsers (json_tools, qwen3_coder, mistral, pythonic...); default: inferred from the chat template")
+    p.add_argument("--no-remote-media", dest="remote_media", action="store_false", help="never fetch http(s) image or video URLs (for servers next to private services); file paths and data: URLs still work")
+    p.add_argument("--max-media-size", type=_size, default=20 << 20, help="largest image or video file a request may name, e.g. 20M (default 20M)")
+    p.add_argument("--reasoning-format", choices=["deepseek", "reasoning_content", "reasoning", "none"], default="deepseek", help="where <think> reasoning goes: deepseek (alias reasoning_content) = message.reasoning_content, reasoning = message.reasoning, none = left inline in the content (default deepseek)")
     p.add_argument("--dequantize", choices=["auto", "on", "off"], default="auto", help="dequantize quantized weights to float32 (auto: on CPUs when it fits in a quarter of RAM; faster there)")
     p.add_argument("--no-openblas", dest="openblas", action="store_false", help="do not load the system OpenBLAS in place of the mlx-cpu wheel's reference BLAS (Linux)")
     p.add_argument("--version", action="version", version=f"mlx-server {__version__}")
@@ -58,6 +69,7 @@ def main(argv: list[str] | None = None) -> None:
     except ModelError as e:
         fatal(f"Error: {e}")
         sys.exit(1)
+    chat_template = _chat_semantics_options(args)
 
     api_key = args.api_key if args.api_key is not None else os.environ.get("MLX_API_KEY", "")
     settings = Settings(
@@ -69,6 +81,16 @@ def main(argv: list[str] | None = None) -> None:
         max_concurrency=args.max_concurrency,
         max_queue=args.max_queue,
         prompt_cache_bytes=args.prompt_cache_bytes,
+        metrics=args.metrics == "on",
+        cors_origins=tuple(o.strip() for o in args.cors_origins.split(",") if o.strip()),
+        memory_limit=args.memory_limit,
+        cache_limit=args.cache_limit,
+        kv_cache_limit=args.kv_cache_limit,
+        chat_template=chat_template,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_format=args.reasoning_format,
+        remote_media=args.remote_media,
+        max_media_bytes=args.max_media_size,
     )
     if loaded.context_length and settings.ctx_size > loaded.context_length:
         logger.warning("--ctx-size %d is larger than the model's trained context (%d)", settings.ctx_size, loaded.context_length)
@@ -76,22 +98,42 @@ def main(argv: list[str] | None = None) -> None:
         logger.warning("WARNING: listening on %s without an API key: anyone who can reach this machine can use the model", settings.host)
     if blas:
         logger.info("CPU BLAS: %s", blas)
-    say(f"Model loaded: {settings.model_id} ({loaded.weights})")
+    say(f"Model loaded: {settings.model_id} ({loaded.weights}{', takes images and video' if loaded.vision else ''})")
     serve(loaded, settings)
 
 
 def serve(loaded, settings: Settings) -> None:
     from mlx_server.api.app import create_app
+    from mlx_server.engine.memory import apply_mlx_limits, format_bytes, plan_memory
     from mlx_server.engine.scheduler import Engine
 
+    plan = plan_memory(
+        loaded.model,
+        ctx_size=settings.ctx_size,
+        prompt_cache_bytes=settings.prompt_cache_bytes,
+        memory_limit=settings.memory_limit,
+        cache_limit=settings.cache_limit,
+        kv_limit=settings.kv_cache_limit,
+    )
+    apply_mlx_limits(plan)
+    kv = f"{format_bytes(plan.kv_limit)} ({plan.kv_tokens} tokens)" if plan.kv_tokens else "no cap"
+    logger.info(
+        "Memory: limit %s, MLX buffer cache %s, weights %s, KV cache %s",
+        format_bytes(plan.memory_limit), format_bytes(plan.cache_limit), format_bytes(plan.weights), kv,
+    )
+    if plan.kv_tokens and plan.kv_tokens < settings.ctx_size:
+        logger.warning("the KV cache cap holds %d tokens, less than --ctx-size %d: longer prompts are refused", plan.kv_tokens, settings.ctx_size)
     engine = Engine(
         loaded.model,
         loaded.tokenizer,
         completion_batch_size=settings.max_concurrency,
         prompt_cache_bytes=settings.prompt_cache_bytes,
         max_queue=settings.max_queue,
+        kv_tokens=plan.kv_tokens,
+        vision=loaded.vision,
     )
     engine.start()
+    _warm_up(engine)
     app = create_app(engine, settings)
     config = uvicorn.Config(
         app,
@@ -109,6 +151,21 @@ def serve(loaded, settings: Settings) -> None:
     sys.stdout.flush()
     # Skip interpreter teardown: a prefill still running on the engine thread must not delay exit.
     os._exit(0 if server.started else 1)
+
+
+def _warm_up(engine) -> None:
+    """One tiny generation before the readiness lines, so the first request pays no one-time setup."""
+    import asyncio
+
+    from mlx_server.engine.request import GenerationRequest, SamplingParams
+
+    async def run():
+        tokens = engine.tokenizer.encode("Hello, world", add_special_tokens=False)
+        handle = engine.submit(GenerationRequest("warm-up", tokens, 2, SamplingParams(temperature=0)))
+        async for _ in handle.events():
+            pass
+
+    asyncio.run(run())
 
 
 class _Server(uvicorn.Server):
@@ -133,6 +190,27 @@ class _Server(uvicorn.Server):
         self._captured_signals.clear()
 
 
+def _chat_semantics_options(args) -> str | None:
+    """Check --tool-call-parser and read --chat-template; a bad one is a fatal error before readiness."""
+    from mlx_server.text.tool_calls import tool_format_names
+
+    if args.tool_call_parser and args.tool_call_parser not in tool_format_names():
+        fatal(f"Error: unknown --tool-call-parser {args.tool_call_parser!r}; known: {', '.join(tool_format_names())}")
+        sys.exit(1)
+    if not args.chat_template:
+        return None
+    import jinja2
+
+    try:
+        with open(args.chat_template, encoding="utf-8") as f:
+            template = f.read()
+        jinja2.Environment().parse(template)
+    except (OSError, UnicodeDecodeError, jinja2.TemplateSyntaxError) as e:
+        fatal(f"Error: cannot use --chat-template {args.chat_template}: {e}")
+        sys.exit(1)
+    return template
+
+
 def _size(text: str) -> int:
     """'512M', '2G', '1048576' -> bytes."""
     units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -140,6 +218,8 @@ def _size(text: str) -> int:
     try:
         value = float(t[:-1]) * units[t[-1]] if t and t[-1] in units else float(t)
     except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 512M or 2G)")
+    if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 512M or 2G)")
     if value < 0:
         raise argparse.ArgumentTypeError(f"a size cannot be negative: {text!r}")

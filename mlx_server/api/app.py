@@ -8,11 +8,20 @@ import time
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 
-from mlx_server.api import metrics, system
+from mlx_server.api import metrics, openapi, system
+from mlx_server.api.limits import has_lone_surrogate
 from mlx_server.api.errors import APIError, error_response_for, status_error, unauthorized, validation_error
+from mlx_server.api.anthropic.router import router as anthropic_router
+from mlx_server.api.anthropic.serving import MessagesServing
+from mlx_server.api.completions.router import router as completions_router
+from mlx_server.api.completions.serving import CompletionServing
 from mlx_server.api.openai.router import router as openai_router
 from mlx_server.api.openai.serving import ChatServing
+from mlx_server.api.responses.router import router as responses_router
+from mlx_server.api.responses.serving import ResponsesServing
+from mlx_server.api.tokenize import router as tokenize_router
 from mlx_server.config import Settings
 from mlx_server.engine.scheduler import Engine
 from mlx_server.log import logger
@@ -28,10 +37,18 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
     app.state.settings = settings
     app.state.started = int(time.time())
     app.state.chat = ChatServing(engine, settings)
-    app.state.metrics = metrics.make_registry(engine)
+    app.state.messages = MessagesServing(app.state.chat)
+    app.state.responses = ResponsesServing(app.state.chat)
+    app.state.completions = CompletionServing(app.state.chat)
     app.include_router(system.router)
-    app.include_router(metrics.router)
+    if settings.metrics:
+        app.state.metrics = metrics.make_registry(engine)
+        app.include_router(metrics.router)
     app.include_router(openai_router)
+    app.include_router(anthropic_router)
+    app.include_router(responses_router)
+    app.include_router(completions_router)
+    app.include_router(tokenize_router)
 
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, exc: APIError):
@@ -45,7 +62,9 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
     async def on_http_error(request: Request, exc: StarletteHTTPException):
         message = {404: f"no route for {request.method} {request.url.path}",
                    405: f"method {request.method} is not allowed on {request.url.path}"}.get(exc.status_code, str(exc.detail))
-        return error_response_for(request.url.path, status_error(exc.status_code, message))
+        response = error_response_for(request.url.path, status_error(exc.status_code, message))
+        response.headers.update(exc.headers or {})  # 405's Allow
+        return response
 
     @app.exception_handler(Exception)
     async def on_unexpected(request: Request, exc: Exception):
@@ -53,11 +72,20 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
         return error_response_for(request.url.path, APIError(500, "internal server error", type="server_error"))
 
     app.add_middleware(Guard, settings=settings)
+    if settings.cors_origins:
+        # Outside the guard: a browser's preflight OPTIONS request carries no credentials.
+        app.add_middleware(
+            CORSMiddleware, allow_origins=list(settings.cors_origins), allow_methods=["GET", "POST"], allow_headers=["*"]
+        )
+    if settings.metrics:
+        app.add_middleware(metrics.RequestMetrics, registry=app.state.metrics)
+    openapi.install(app, settings)
     return app
 
 
 class Guard:
-    """Pure ASGI middleware (no per-chunk overhead on streams): API key and body-size limit."""
+    """Pure ASGI middleware (no per-chunk overhead on streams): API key, body-size limit, and
+    bodies that are not valid Unicode."""
 
     def __init__(self, app, settings: Settings):
         self.app = app
@@ -80,6 +108,8 @@ class Guard:
         body, complete = await self._read_body(receive)
         if not complete:
             return await self._reply(scope, send, self._too_large())
+        if has_lone_surrogate(body):
+            return await self._reply(scope, send, APIError(400, "the request body is not valid Unicode: it holds an unpaired UTF-16 surrogate"))
         await self.app(scope, _replay(body, receive), send)
 
     def _authorized(self, headers: dict) -> bool:

@@ -17,7 +17,7 @@ class ChatPrompt:
     def __init__(self, tokenizer, settings: Settings):
         self.tokenizer = tokenizer
         self.settings = settings
-        self.template_source = tokenizer.chat_template or ""
+        self.template_source = settings.chat_template or tokenizer.chat_template or ""
         self.vocab_size = max(tokenizer.vocab_size, len(tokenizer.get_vocab()))
 
     @property
@@ -34,15 +34,18 @@ class ChatPrompt:
 
     def render(self, messages: list[dict], tools: list | None = None, template_kwargs: dict | None = None) -> str:
         """The prompt text, ending where the assistant's answer starts; template errors are 400s."""
-        if not self.tokenizer.has_chat_template:
+        if not self.template_source and not self.tokenizer.has_chat_template:
             return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
+        kwargs = dict(template_kwargs or {})
+        if self.settings.chat_template:  # --chat-template
+            kwargs["chat_template"] = self.settings.chat_template
         try:
             return self.tokenizer.apply_chat_template(
-                messages, tools=tools or None, add_generation_prompt=True, tokenize=False, **(template_kwargs or {})
+                messages, tools=tools or None, add_generation_prompt=True, tokenize=False, **kwargs
             )
         except jinja2.TemplateError as e:
             raise APIError(400, f"the model's chat template rejected these messages: {e}", param="messages")
-        except (TypeError, ValueError, KeyError, IndexError) as e:
+        except Exception as e:  # the template is fixed, so only the messages can have made it fail
             raise APIError(400, f"could not render the chat template for these messages: {e}", param="messages")
 
     def encode(self, text: str) -> list[int]:

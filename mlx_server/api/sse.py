@@ -13,11 +13,16 @@ DONE = b"data: [DONE]\n\n"
 
 
 def dumps(obj) -> str:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    if not text.isascii():
+        # json.dumps escapes CR and LF but not these, which str.splitlines (and so httpx's
+        # iter_lines) also treats as line ends; they can only occur inside JSON strings.
+        text = text.replace("\u2028", "\\u2028").replace("\u2029", "\\u2029").replace("\x85", "\\u0085")
+    return text
 
 
 def data_frame(obj) -> bytes:
-    # json.dumps escapes every newline inside strings, so one frame can never be split.
+    # dumps escapes every line break inside strings, so one frame can never be split.
     return b"data: " + dumps(obj).encode() + b"\n\n"
 
 

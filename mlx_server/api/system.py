@@ -19,7 +19,10 @@ async def health():
 
 def _model_card(request: Request) -> dict:
     state = request.app.state
-    return {"id": state.settings.model_id, "object": "model", "created": state.started, "owned_by": "mlx"}
+    # Which inputs the model takes (OpenRouter's name for it): clients can tell a vision model.
+    modalities = ["text", "image", "video"] if state.engine.vision is not None else ["text"]
+    return {"id": state.settings.model_id, "object": "model", "created": state.started, "owned_by": "mlx",
+            "input_modalities": modalities}
 
 
 @router.get("/v1/models")

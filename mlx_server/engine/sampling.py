@@ -12,9 +12,12 @@ from mlx_lm.sample_utils import (
     make_logits_processors,
 )
 
-from mlx_server.engine.request import SamplingParams
+from mlx_server.engine.guidance import token_bytes
+from mlx_server.engine.request import SamplingParams, TokenLogprob
 
 Sampler = Callable[[mx.array], mx.array]
+# MLX slices take 32-bit indices; a penalty window past any context means the whole context.
+MAX_WINDOW = 2**31 - 1
 
 
 def greedy(logprobs: mx.array) -> mx.array:
@@ -35,9 +38,11 @@ def make_sampler(p: SamplingParams) -> Sampler:
     if p.min_p > 0:
         filters.append(lambda x: apply_min_p(x, p.min_p))
     if p.top_k > 0:
-        filters.append(lambda x: apply_top_k(x, p.top_k))
+        # A k beyond the vocabulary keeps every token (mlx-lm's would fail the whole batch's step).
+        filters.append(lambda x: apply_top_k(x, p.top_k) if p.top_k < x.shape[-1] else x)
     inv_temp = 1.0 / p.temperature
-    key = [mx.random.key(p.seed)] if p.seed is not None else None
+    # MLX keys are unsigned 64-bit; any integer seed (negative, huge) maps onto one.
+    key = [mx.random.key(p.seed % (1 << 64))] if p.seed is not None else None
 
     def sample(logprobs: mx.array) -> mx.array:
         for f in filters:
@@ -52,12 +57,24 @@ def make_sampler(p: SamplingParams) -> Sampler:
 
 def make_processors(p: SamplingParams) -> list:
     """Logit bias and repetition/presence/frequency penalties; none when all are neutral."""
+    window = min(p.repetition_context_size, MAX_WINDOW)
     return make_logits_processors(
         logit_bias=p.logit_bias or None,
         repetition_penalty=p.repetition_penalty if p.repetition_penalty != 1.0 else None,
-        repetition_context_size=p.repetition_context_size,
+        repetition_context_size=window,
         presence_penalty=p.presence_penalty or None,
-        presence_context_size=p.repetition_context_size,
+        presence_context_size=window,
         frequency_penalty=p.frequency_penalty or None,
-        frequency_context_size=p.repetition_context_size,
+        frequency_context_size=window,
     )
+
+
+def token_logprob(tokenizer, logprobs: mx.array, token: int, n_top: int) -> TokenLogprob:
+    """The sampled token's log probability and the `n_top` most likely tokens at its position."""
+    top = []
+    if n_top:
+        k = min(n_top, logprobs.shape[-1])
+        ids = mx.argpartition(-logprobs, kth=k - 1)[:k]
+        pairs = sorted(zip(ids.tolist(), logprobs[ids].tolist()), key=lambda p: -p[1])
+        top = [(token_bytes(tokenizer, i), v) for i, v in pairs]
+    return TokenLogprob(token_bytes(tokenizer, token), logprobs[token].item(), top)

@@ -12,14 +12,18 @@ import copy
 import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
 
-from mlx_server.engine.request import GenerationEvent, GenerationRequest, Timings, Usage
-from mlx_server.engine.sampling import make_processors, make_sampler
+from mlx_server.engine.guidance import GrammarProcessor
+from mlx_server.engine.memory import batch_fits
+from mlx_server.engine.request import GenerationEvent, GenerationRequest, Timings, TokenLogprob, Usage
+from mlx_server.engine.sampling import greedy, make_processors, make_sampler, token_logprob
 from mlx_server.log import logger
 from mlx_server.text.stop import StopMatcher
 
@@ -38,10 +42,22 @@ class _Sequence:
     t_start: float = 0.0
     t_first: float = 0.0
     done: bool = field(default=False)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # not yet sent with an event
+    t_submit: float = field(default_factory=time.perf_counter)
+    failure: Exception | None = None  # raised by this sequence's own sampler or processors
+
+    @property
+    def need(self) -> int:
+        """The most KV-cache tokens this sequence can come to hold."""
+        return len(self.request.prompt_tokens) + self.request.max_tokens
 
 
 class EngineBusy(Exception):
     """Every batch slot and queue place is taken; the caller should answer 429."""
+
+
+class KVCapExceeded(Exception):
+    """The prompt alone needs more KV cache than the memory cap allows; retrying cannot help."""
 
 
 class GenerationHandle:
@@ -80,9 +96,12 @@ class Engine:
         prefill_step_size: int = 2048,
         prompt_cache_bytes: int = 2 << 30,
         max_queue: int = 64,
+        kv_tokens: int = 0,
+        vision=None,
     ):
         self.model = model
         self.tokenizer = tokenizer
+        self.vision = vision  # engine/vision.py's Vision when the model takes images, else None
         # Finished sequences' KV caches, keyed by their tokens, so a re-sent conversation only
         # prefills what is new. mlx-lm's LRU evicts until its byte total is under the cap.
         self.prompt_cache = LRUPromptCache(max_size=1 << 30, max_bytes=prompt_cache_bytes)
@@ -97,6 +116,11 @@ class Engine:
         self._live: dict[str, _Sequence] = {}
         self._live_lock = threading.Lock()
         self._active: dict[int, _Sequence] = {}
+        # KV-cache budget in tokens (0: none): sequences that do not fit yet wait here, in order.
+        self.kv_tokens = kv_tokens
+        self._waiting: deque[_Sequence] = deque()
+        # Called on the engine thread as each generation ends (metrics); must be quick.
+        self.on_finish = None
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="mlx-engine", daemon=True)
         self._gen: BatchGenerator | None = None
@@ -116,6 +140,7 @@ class Engine:
         loop = asyncio.get_running_loop()
         detokenizer = copy.copy(self.tokenizer.detokenizer)
         detokenizer.reset()
+        self._fit_to_kv_budget(request)
         seq = _Sequence(request, loop, asyncio.Queue(), detokenizer, StopMatcher(request.stop))
         with self._live_lock:
             if len(self._live) >= self.max_live:
@@ -140,10 +165,36 @@ class Engine:
         self._cancel(seq)
         return 1
 
+    def _fit_to_kv_budget(self, request: GenerationRequest) -> None:
+        """A completion that could outgrow the KV budget is shortened (it ends with `length`)."""
+        budget = self.kv_tokens
+        n_prompt = len(request.prompt_tokens)
+        if not budget or n_prompt + request.max_tokens <= budget:
+            return
+        if n_prompt >= budget:
+            raise KVCapExceeded(
+                f"This prompt is {n_prompt} tokens, but the server's KV cache memory cap holds {budget} tokens "
+                f"(its --kv-cache-limit). Shorten the messages or start the server with a larger --kv-cache-limit."
+            )
+        request.max_tokens = budget - n_prompt
+
     @property
     def active_count(self) -> int:
+        """Generations running or waiting for a batch slot."""
         with self._live_lock:
             return len(self._live)
+
+    @property
+    def queue_depth(self) -> int:
+        """Generations not yet prefilling: waiting for KV-cache room or for a batch slot."""
+        gen = self._gen
+        return len(self._waiting) + len(getattr(gen, "_unprocessed_sequences", ()))
+
+    @property
+    def kv_tokens_reserved(self) -> int:
+        """The KV budget the running sequences hold (batch-padded: count times the longest)."""
+        needs = [s.need for s in list(self._active.values())]
+        return len(needs) * max(needs) if needs else 0
 
     def _cancel(self, seq: _Sequence) -> None:
         seq.cancelled = True
@@ -154,20 +205,22 @@ class Engine:
     def _run(self) -> None:
         self._gen = BatchGenerator(self.model, **self._batch_args)
         while not self._stopping:
-            self._admit(block=not self._active)
+            self._admit(block=not self._active and not self._waiting)
             self._drop_cancelled()
+            self._start_waiting()
             if not self._active:
                 continue
             try:
                 _, responses = self._gen.next()
             except Exception as e:  # a failed step must not kill the thread or later requests
                 logger.exception("generation step failed")
-                self._fail_all(f"generation failed: {e}")
+                self._fail_all(public_error("generation failed", e))
                 continue
             for r in responses:
                 seq = self._active.get(r.uid)
                 if seq is not None:
                     self._on_token(seq, r)
+            self._drop_failed()
 
     def _admit(self, block: bool) -> None:
         try:
@@ -176,7 +229,7 @@ class Engine:
             return
         while True:
             if isinstance(item, _Sequence) and not item.cancelled:
-                self._insert(item)
+                self._waiting.append(item)
             elif isinstance(item, _Sequence):
                 self._finish(item, "stop", "")
             try:
@@ -184,13 +237,22 @@ class Engine:
             except queue.Empty:
                 return
 
+    def _start_waiting(self) -> None:
+        """Start waiting sequences, oldest first, while the batch still fits the KV budget."""
+        while self._waiting:
+            needs = [s.need for s in self._active.values()] + [self._waiting[0].need]
+            if self._active and not batch_fits(needs, self.kv_tokens):
+                return
+            self._insert(self._waiting.popleft())
+
     def _insert(self, seq: _Sequence) -> None:
         req = seq.request
         tokens = req.prompt_tokens
+        seq.t_start = time.perf_counter()
         try:
             cache, rest = None, tokens
             if self._cache_enabled:
-                cache, rest = self.prompt_cache.fetch_nearest_cache(_MODEL_KEY, tokens)
+                cache, rest = self.prompt_cache.fetch_nearest_cache(_MODEL_KEY, _cache_key(req, tokens))
                 if cache is not None and not rest:
                     # The whole prompt is cached, but the last token must be run to get logits.
                     if can_trim_prompt_cache(cache):
@@ -199,23 +261,43 @@ class Engine:
                     else:
                         cache, rest = None, tokens
             seq.cached = len(tokens) - len(rest)
+            rest = tokens[seq.cached:]
+            if req.vision is not None and seq.cached <= req.vision.positions[-1]:
+                # Images not all in the cached prefix: prefill up to the last token from their embeddings.
+                cache = self.vision.prefill(req.vision, cache, seq.cached)
+                rest = tokens[-1:]
+            processors = make_processors(req.sampling)
+            if req.grammar:  # last, so that no bias or penalty can lift a token it forbids
+                processors.append(GrammarProcessor(self.tokenizer, req.grammar))
+            processors = [_isolated(seq, p, fallback=lambda tokens, logits: logits) for p in processors]
             (uid,) = self._gen.insert(
                 [rest],
                 max_tokens=[req.max_tokens],
                 caches=[cache],
-                all_tokens=[tokens[: seq.cached]],
-                samplers=[make_sampler(req.sampling)],
-                logits_processors=[make_processors(req.sampling)],
+                all_tokens=[tokens[: len(tokens) - len(rest)]],
+                samplers=[_isolated(seq, make_sampler(req.sampling), fallback=greedy)],
+                logits_processors=[processors],
             )
         except Exception as e:
             logger.exception("could not start a generation")
-            self._finish(seq, "error", "", error=f"could not start the generation: {e}")
+            self._finish(seq, "error", "", error=public_error("could not start the generation", e))
             return
         seq.uid = uid
-        seq.t_start = time.perf_counter()
         self._active[uid] = seq
 
+    def _drop_failed(self) -> None:
+        """End the sequences whose own sampler or processors raised; the rest of the batch goes on."""
+        failed = [seq for seq in self._active.values() if seq.failure is not None]
+        if failed:
+            self._remove(failed)
+            for seq in failed:
+                logger.error("%s failed: %r", seq.request.id, seq.failure)
+                self._finish(seq, "error", "", error=public_error("generation failed", seq.failure))
+
     def _drop_cancelled(self) -> None:
+        for seq in [s for s in self._waiting if s.cancelled]:
+            self._waiting.remove(seq)
+            self._finish(seq, "stop", "")
         gone = [seq for seq in self._active.values() if seq.cancelled]
         if gone:
             self._remove(gone)
@@ -227,11 +309,13 @@ class Engine:
         if seq.generated == 1:
             seq.t_first = time.perf_counter()
         if r.finish_reason is not None:
-            self._keep_cache(r.all_tokens, r.prompt_cache)
+            self._keep_cache(_cache_key(seq.request, r.all_tokens), r.prompt_cache)
         if r.finish_reason == "stop":  # an end-of-sequence token: never shown
             self._finish(seq, "stop", self._flush(seq))
             return
         seq.detokenizer.add_token(r.token)
+        if seq.request.logprobs is not None:
+            seq.logprobs.append(token_logprob(self.tokenizer, r.logprobs, r.token, seq.request.logprobs))
         text = seq.stop.feed(seq.detokenizer.last_segment)
         if seq.stop.stopped is not None:
             self._remove([seq])
@@ -239,16 +323,20 @@ class Engine:
         elif r.finish_reason == "length":
             self._finish(seq, "length", text + self._flush(seq))
         elif text:
-            self._emit(seq, GenerationEvent(text=text))
+            self._emit(seq, GenerationEvent(text=text, logprobs=_take_logprobs(seq)))
 
     def _remove(self, seqs: list[_Sequence]) -> None:
         """Take sequences out of the batch before their natural end, keeping their KV caches."""
-        caches = self._gen.remove([s.uid for s in seqs], return_prompt_caches=self._cache_enabled)
-        for cache, tokens in caches.values():
-            self._keep_cache(tokens, cache)
+        by_uid = {s.uid: s for s in seqs}
+        caches = self._gen.remove(list(by_uid), return_prompt_caches=self._cache_enabled)
+        for uid, (cache, tokens) in caches.items():
+            self._keep_cache(_cache_key(by_uid[uid].request, tokens), cache)
 
     def _keep_cache(self, tokens, cache) -> None:
         if self._cache_enabled and tokens and cache:
+            # A cache taken out of the batch is a lazy slice that keeps the whole batch's buffers
+            # alive; evaluated, it holds (and the byte cap counts) only this sequence's keys and values.
+            mx.eval([a for _, a in tree_flatten([c.state for c in cache]) if isinstance(a, mx.array)])
             self.prompt_cache.insert_cache(_MODEL_KEY, list(tokens), cache)
 
     @staticmethod
@@ -280,7 +368,15 @@ class Engine:
             seq.request.id, why, usage.prompt_tokens, seq.cached, usage.completion_tokens,
             timings.as_dict()["predicted_per_second"],
         )
-        self._emit(seq, GenerationEvent(text=text, finish_reason=reason, usage=usage, timings=timings, error=error))
+        self._emit(seq, GenerationEvent(
+            text=text, finish_reason=reason, usage=usage, timings=timings, error=error, stop_sequence=seq.stop.stopped,
+            logprobs=_take_logprobs(seq),
+        ))
+        if self.on_finish is not None:
+            try:
+                self.on_finish(why, usage, timings, (seq.t_start or now) - seq.t_submit)
+            except Exception:  # an observer must never stop the engine
+                logger.exception("on_finish observer failed")
 
     def _fail_all(self, message: str) -> None:
         for seq in list(self._active.values()):
@@ -295,6 +391,47 @@ class Engine:
             seq.loop.call_soon_threadsafe(seq.events.put_nowait, event)
         except RuntimeError:  # the caller's loop is closed: nobody is listening any more
             pass
+
+
+def _cache_key(request: GenerationRequest, tokens) -> list[int]:
+    """What the prompt cache files a sequence's tokens under: the tokens themselves, except that
+    an image prompt's image tokens stand for the images' content (engine/vision.py)."""
+    tokens = list(tokens)
+    if request.vision is None:
+        return tokens
+    key = request.vision.cache_key
+    return key[: len(tokens)] + tokens[len(key):]
+
+
+def _take_logprobs(seq: _Sequence) -> list[TokenLogprob] | None:
+    """The logprobs of the tokens behind an event's text (None when the request did not ask)."""
+    if seq.request.logprobs is None:
+        return None
+    out, seq.logprobs = seq.logprobs, []
+    return out
+
+
+def _isolated(seq: _Sequence, fn, fallback):
+    """`fn` as a per-sequence callable of the batch step: if it raises, the sequence is marked
+    failed and `fallback` answers instead, so one request's bad sampling cannot fail the batch."""
+
+    def call(*args):
+        if seq.failure is None:
+            try:
+                return fn(*args)
+            except Exception as e:
+                seq.failure = e
+        return fallback(*args)
+
+    return call
+
+
+def public_error(what: str, e: Exception) -> str:
+    """An engine failure as clients see it: what happened, never paths or internals (those are logged)."""
+    text = str(e).lower()
+    if any(w in text for w in ("out of memory", "failed to allocate", "insufficient memory", "unable to allocate")):
+        return f"{what}: out of memory; retry with a shorter prompt or fewer concurrent requests"
+    return f"{what} ({type(e).__name__}); see the server log"
 
 
 _WAKE = object()

@@ -87,13 +87,12 @@ class StreamOptions(_Lenient):
     include_usage: bool | None = None
 
 
-class ChatCompletionRequest(_Lenient):
-    model: str
-    messages: list[ChatMessage] = Field(min_length=1)
+class GenerationFields(_Lenient):
+    """What chat and legacy completions share: streaming, length, sampling and stop strings."""
+
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
     n_predict: int | None = Field(None, ge=-1)  # llama.cpp's name; -1 means unlimited
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, ge=0, le=1)
@@ -108,4 +107,39 @@ class ChatCompletionRequest(_Lenient):
     seed: int | None = None
     stop: str | list[str] | None = None
     n: int | None = Field(None, ge=1, le=1)
+
+
+class NamedFunction(_Lenient):
+    name: str
+
+
+class NamedToolChoice(_Lenient):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JSONSchemaFormat(_Lenient):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Lenient):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class ChatCompletionRequest(GenerationFields):
+    model: str
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
     chat_template_kwargs: dict | None = None
+    # Tools stay plain JSON here (checked in serving.py), as the chat template receives them.
+    tools: list[dict] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    reasoning_effort: str | None = None

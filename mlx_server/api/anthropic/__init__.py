@@ -1,0 +1,1 @@
+"""Anthropic Messages: protocol (schemas), serving (translation), router (routes)."""

@@ -1,0 +1,1 @@
+"""OpenAI legacy Completions: protocol (schemas), serving (translation), router (routes)."""

@@ -1,0 +1,117 @@
+"""What one request's output must look like, and how to read it: shared by every protocol.
+
+A protocol says what its client asked for (tools, tool choice, a JSON schema) as an
+OutputRequest; `OutputPlanner.plan` answers, from the request's rendered prompt, with the
+OutputConfig that ChatOutput reads the text with and the grammar the engine decodes under.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass, field
+
+import llguidance
+
+from mlx_server.api.errors import APIError
+from mlx_server.config import Settings
+from mlx_server.engine import guidance
+from mlx_server.log import logger
+from mlx_server.text.chat_output import OutputConfig
+from mlx_server.text.grammar import JSON_STYLE, OutputShape, can_constrain_tools, closed, output_grammar
+from mlx_server.text.tool_calls import ToolFormat, infer_tool_format, tool_format
+
+
+@dataclass
+class OutputRequest:
+    """What the client asked of the output, in OpenAI's terms."""
+
+    tools: list[dict] | None = None  # [{"type": "function", "function": {"name", "parameters"...}}]
+    tool_choice: str = "auto"  # "auto", "none", "required", or "function" (then tool_name)
+    tool_name: str | None = None
+    parallel_tool_calls: bool = True
+    json_schema: dict | None = None  # the answer must be one JSON value of this schema
+    tools_param: str = "tools"  # the field that errors about the tools name
+    schema_param: str = "response_format"
+
+
+@dataclass
+class OutputPlan:
+    config: OutputConfig
+    grammar: str | None = None  # for GenerationRequest.grammar
+    banned_tokens: list[int] = field(default_factory=list)  # never to be sampled (tool_choice "none")
+
+
+class OutputPlanner:
+    """Per model: its reasoning markers and tool-call format; per request: the plan."""
+
+    def __init__(self, tokenizer, settings: Settings, template_source: str):
+        self.tokenizer = tokenizer
+        self.think = reasoning_markers(tokenizer, template_source)
+        self.split_reasoning = settings.reasoning_format != "none"
+        name = settings.tool_call_parser or infer_tool_format(tokenizer, template_source)
+        self.tool_format: ToolFormat | None = tool_format(name) if name else None
+        self._warned: set[str] = set()
+        # llguidance's tokenizer takes seconds to build for a large vocabulary: not on the first request.
+        threading.Thread(target=guidance.ll_tokenizer, args=(tokenizer,), name="llguidance-tokenizer", daemon=True).start()
+
+    def plan(self, prompt_text: str, want: OutputRequest) -> OutputPlan:
+        """Raises a 400 APIError when a schema uses something constrained decoding cannot enforce."""
+        inside = bool(self.think) and prompt_text.rstrip().endswith(self.think[0])
+        config = OutputConfig(starts_in_reasoning=inside, reasoning_markers=self.think if self.split_reasoning else None)
+        fmt = self.tool_format
+        tools = want.tools or []
+        banned: list[int] = []
+        if tools and want.tool_choice == "none":
+            # The tools stay in the prompt (the conversation may mention them), but no call can start.
+            if fmt and (token := guidance.special_token(self.tokenizer, fmt.start)) is not None:
+                banned.append(token)
+            tools = []
+        if want.tool_choice == "function":
+            tools = [t for t in tools if t["function"]["name"] == want.tool_name]
+        if tools and fmt:
+            config.tool_format, config.tools = fmt, want.tools
+        constrain_tools = bool(tools) and fmt is not None and can_constrain_tools(fmt.name)
+        if tools and not constrain_tools and want.tool_choice in ("required", "function"):
+            self._warn_once(f"tool_choice '{want.tool_choice}' is not enforced: no grammar for tool-call format "
+                            f"{fmt.name if fmt else None!r}")
+        if want.json_schema is not None:
+            self._check_schema(want.json_schema, want.schema_param)
+        if constrain_tools:
+            for i, tool in enumerate(want.tools):
+                if tool in tools:
+                    params = tool["function"].get("parameters") or {"type": "object"}
+                    self._check_schema(closed(params), f"{want.tools_param}[{i}].function.parameters")
+        shape = OutputShape(
+            reasoning_markers=self.think,
+            starts_in_reasoning=inside,
+            tool_format=(fmt.name, fmt.start, fmt.end) if constrain_tools else None,
+            tools=tools if constrain_tools else None,
+            tools_required=want.tool_choice in ("required", "function"),
+            parallel_tool_calls=want.parallel_tool_calls,
+            json_schema=want.json_schema,
+        )
+        grammar = output_grammar(shape, lambda text: guidance.special_token(self.tokenizer, text))
+        if grammar is not None and (error := guidance.grammar_error(self.tokenizer, grammar)):
+            raise APIError(400, f"constrained decoding cannot enforce this request: {error}", param=want.tools_param)
+        return OutputPlan(config, grammar, banned)
+
+    def _check_schema(self, schema: dict, param: str) -> None:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_STYLE)
+        if error := guidance.grammar_error(self.tokenizer, grammar):
+            raise APIError(400, f"{param}: this JSON schema cannot be enforced: {error}", param=param)
+
+    def _warn_once(self, message: str) -> None:
+        if message not in self._warned:
+            self._warned.add(message)
+            logger.warning(message)
+
+
+def reasoning_markers(tokenizer, template_source: str) -> tuple[str, str] | None:
+    """The model's reasoning markers: mlx-lm's from the vocabulary, else `<think>` if the template writes it."""
+    start, end = getattr(tokenizer, "think_start", None), getattr(tokenizer, "think_end", None)
+    if start and end:
+        return start, end
+    if "<think>" in template_source and "</think>" in template_source:
+        return "<think>", "</think>"
+    return None
