@@ -290,15 +290,24 @@ async def run_concurrent(servers: list[dict], args) -> dict:
                 # Offsets keep prompts distinct across N and servers too, so no prefix cache helps.
                 base = 100 * (i + 1)
                 t0 = time.perf_counter()
-                rs = await asyncio.gather(*[chat(c, srv, concurrent_messages(base + j), args.tokens) for j in range(n)])
+                got = await asyncio.gather(*[chat(c, srv, concurrent_messages(base + j), args.tokens) for j in range(n)],
+                                           return_exceptions=True)
                 wall = time.perf_counter() - t0
+                # A dropped connection is a result too (mlx_lm.server drops some at 32 clients).
+                rs = [r for r in got if not isinstance(r, BaseException)]
+                failed = [f"{type(r).__name__}: {r}"[:200] for r in got if isinstance(r, BaseException)]
+                if not rs:
+                    out[srv["name"]][n] = {"failed": len(failed), "errors": failed[:3]}
+                    log(f"concurrent {n} {srv['name']}: all {n} requests failed: {failed[0]}")
+                    continue
                 tokens = sum(r["completion_tokens"] for r in rs)
                 out[srv["name"]][n] = {"total_tps": tokens / wall, "wall_s": wall, "completion_tokens": tokens,
+                                       "failed": len(failed), "errors": failed[:3],
                                        "prompt_tokens": median([r["prompt_tokens"] for r in rs]),
                                        "median_ttft": statistics.median(r["ttft"] for r in rs),
                                        "max_ttft": max(r["ttft"] for r in rs)}
                 log(f"concurrent {n} {srv['name']}: {tokens / wall:.1f} tok/s total, "
-                    f"median ttft {out[srv['name']][n]['median_ttft']:.2f}s")
+                    f"median ttft {out[srv['name']][n]['median_ttft']:.2f}s, {len(failed)} failed")
     return out
 
 
@@ -359,9 +368,11 @@ def table(res: dict, cols: list[str]) -> str:
     if "concurrent" in res:
         cc = res["concurrent"]
         for n in sorted({n for v in cc.values() for n in v}):
-            row(f"concurrent {n}: total tok/s", {c: cc[c][n]["total_tps"] for c in cc if n in cc[c]})
-            row(f"concurrent {n}: median TTFT s", {c: cc[c][n]["median_ttft"] for c in cc if n in cc[c]}, 2)
-            row(f"concurrent {n}: % of ceiling", {c: 100 * cc[c][n]["of_ceiling"] for c in cc if n in cc[c]}, 1, False)
+            ok = [c for c in cc if "total_tps" in cc[c].get(n, {})]
+            row(f"concurrent {n}: total tok/s", {c: cc[c][n]["total_tps"] for c in ok})
+            row(f"concurrent {n}: median TTFT s", {c: cc[c][n]["median_ttft"] for c in ok}, 2)
+            row(f"concurrent {n}: % of ceiling", {c: 100 * cc[c][n]["of_ceiling"] for c in ok}, 1, False)
+            row(f"concurrent {n}: failed requests", {c: cc[c][n]["failed"] for c in cc if n in cc[c]}, 0, False)
     header = ["metric"] + cols
     widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
     line = lambda r: "  ".join(str(x).ljust(w) if i == 0 else str(x).rjust(w) for i, (x, w) in enumerate(zip(r, widths)))
@@ -389,6 +400,9 @@ def parse_args():
     p.add_argument("--rounds", type=int, default=1, help="single-workload rounds (median reported)")
     p.add_argument("--bandwidth", type=float, default=31e9, help="memory bandwidth in bytes/s (default 31e9, this CPU)")
     p.add_argument("--json-out", default=None, help="also write the JSON result to this file")
+    p.add_argument("--engine-forms", default="f32,4bit",
+                   help="engine baselines to run: f32 (dequantized, OpenBLAS) and/or 4bit (weights as stored); "
+                        "on a GPU use 4bit alone, which then means 'as stored' (bf16 stays bf16)")
     p.add_argument("--engine-child", choices=["f32", "4bit"], help=argparse.SUPPRESS)
     p.add_argument("--messages", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -419,23 +433,31 @@ async def main_async(a) -> dict:
     t_start = time.perf_counter()
     logdir = Path(tempfile.mkdtemp(prefix="mlx-bench-"))
     servers = [start_server(n, model, logdir) for n in a.servers]
-    engines = [] if a.no_engine else ["engine-f32", "engine-4bit"]
+    engine_forms = a.engine_forms.split(",")
+    engines = [] if a.no_engine else [f"engine-{f}" for f in engine_forms]
     res = {"machine": {"cpus": os.cpu_count(), "platform": sys.platform}, "model": str(model),
            "settings": {k: getattr(a, k) for k in ("quick", "tokens", "turns", "turn_tokens", "clients", "rounds",
                                                    "bandwidth", "workloads", "servers", "ours_4bit_workloads")},
            "commands": {s["name"]: " ".join(s["cmd"]) for s in servers}}
     try:
         await asyncio.gather(*[wait_ready(s) for s in servers])
-        async with httpx.AsyncClient(timeout=None) as c:
-            for s in servers:  # warm-up: first-call allocations and kernel set-up out of the measurement
+        async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=64)) as c:
+            # Warm-up: first-call allocations and kernel compilation out of the measurement. On a GPU,
+            # MLX compiles kernels per shape and caches them on disk, so whichever server met a shape
+            # first would pay for both: every server sees every prompt length and batch size first.
+            for s in servers:
                 await chat(c, s, [{"role": "user", "content": "Hello!"}], 4)
+                await chat(c, s, single_messages(9999), 4)
+                for n in sorted(set(a.clients or [])):
+                    await asyncio.gather(*[chat(c, s, concurrent_messages(9000 + j), 4) for j in range(n)],
+                                         return_exceptions=True)  # mlx_lm.server drops some at 32
         log(f"servers ready in {time.perf_counter() - t_start:.1f}s (logs in {logdir})")
 
         # Bytes each form of the weights reads per token, from the engine children (they load both forms).
         if "single" in a.workloads:
             res["single"] = await run_single(servers, engines, model, a)
         forms = {}
-        for form in ("f32", "4bit"):
+        for form in sorted(set(engine_forms) | {weights_form(s) for s in servers}):
             col = f"engine-{form}"
             got = res.get("single", {}).get(col, {}).get("runs")
             forms[form] = got[0] if got else await asyncio.to_thread(run_engine, form, model, None, 0)
@@ -462,6 +484,8 @@ async def main_async(a) -> dict:
         for col, by_n in res.get("concurrent", {}).items():
             w = res["weights"][col]
             for n, r in by_n.items():
+                if "total_tps" not in r:
+                    continue
                 # n streams share one read of the weights per step; each reads its own KV cache.
                 ctx = (r["prompt_tokens"] or 0) + a.tokens / 2
                 r["ceiling_tps"] = n * ceiling(a.bandwidth, w["bytes"], n * w["kv_bytes_per_pos"], ctx)
