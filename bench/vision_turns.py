@@ -5,6 +5,7 @@ a follow-up question) should find the image's KV prefix in the prompt cache and 
 the new text. Reports the server's own `timings` (prompt_ms, prompt_n, cache_n) for both.
 
     .venv/bin/python bench/vision_turns.py                 # the tiny test SmolVLM, 3 rounds
+    .venv/bin/python bench/vision_turns.py --real-vision   # with SmolVLM-256M's vision tower (random weights)
     .venv/bin/python bench/vision_turns.py --model DIR     # any vision model directory
 """
 
@@ -27,7 +28,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from conftest import CACHE, ServerProcess  # noqa: E402
 
 
-def tiny_vlm() -> Path:
+def tiny_vlm(real_vision: bool) -> Path:
     import tiny_smolvlm
     from mlx_server.engine.gguf import export_mlx_dir
     from mlx_server.engine.loader import default_model_path
@@ -35,6 +36,9 @@ def tiny_vlm() -> Path:
     text = CACHE / "models" / "smollm2-135m-2layers"
     if not (text / "config.json").exists():
         export_mlx_dir(default_model_path(), text, num_layers=2)
+    if real_vision:
+        out = CACHE / "models" / f"smolvlm-256m-vision-{tiny_smolvlm.version()}"
+        return tiny_smolvlm.build_model(text, out, tiny_smolvlm.REAL_VISION, tiny_smolvlm.REAL_SCALE_FACTOR)
     return tiny_smolvlm.build_model(text, CACHE / "models" / f"smolvlm-tiny-{tiny_smolvlm.version()}")
 
 
@@ -54,12 +58,13 @@ def turn(client: httpx.Client, messages: list[dict], max_tokens: int) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="a vision model directory (default: the tiny test SmolVLM)")
+    p.add_argument("--real-vision", action="store_true", help="the tiny model with SmolVLM-256M's vision tower and tiling (random weights, 320 image tokens)")
     p.add_argument("--rounds", type=int, default=3, help="chats, each about a new image (default 3)")
     p.add_argument("--size", default="512x384", help="image size WxH (default 512x384)")
     p.add_argument("--max-tokens", type=int, default=16)
     args = p.parse_args()
     size = tuple(int(x) for x in args.size.split("x"))
-    model = args.model or str(tiny_vlm())
+    model = args.model or str(tiny_vlm(args.real_vision))
     server = ServerProcess("--model", model, "--ctx-size", "8192")
     rows = []
     try:

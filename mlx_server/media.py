@@ -69,7 +69,10 @@ def read_media(url: str, policy: MediaPolicy) -> bytes:
     if not isinstance(url, str) or not url.strip():
         raise MediaError("the URL is empty")
     url = url.strip()
-    scheme = urllib.parse.urlsplit(url).scheme.lower() if "://" in url or url.startswith("data:") else ""
+    try:
+        scheme = urllib.parse.urlsplit(url).scheme.lower() if "://" in url or url.startswith("data:") else ""
+    except ValueError:  # e.g. an unclosed IPv6 bracket: file://[
+        raise MediaError(f"'{_short(url)}' is not a valid URL") from None
     if scheme == "data":
         return _read_data_url(url, policy)
     if scheme in ("http", "https"):
@@ -84,13 +87,18 @@ def read_media(url: str, policy: MediaPolicy) -> bytes:
 
 
 def _file_url_path(url: str) -> Path:
-    parts = urllib.parse.urlsplit(url)
+    try:
+        parts = urllib.parse.urlsplit(url)
+    except ValueError:
+        raise MediaError(f"'{_short(url)}' is not a valid URL") from None
     if parts.netloc not in ("", "localhost"):
         raise MediaError(f"file:// URLs must name a local file (file:///path), not host '{parts.netloc}'")
     return Path(urllib.parse.unquote(parts.path))
 
 
 def _read_file(path: Path, policy: MediaPolicy) -> bytes:
+    if "\x00" in str(path):  # the OS would refuse it with a ValueError, not an OSError
+        raise MediaError("a file path cannot contain a NUL character")
     try:
         size = path.stat().st_size
         if not path.is_file():
@@ -148,6 +156,8 @@ def _fetch(url: str, policy: MediaPolicy) -> bytes:
     except MediaError:
         raise
     except urllib.error.HTTPError as e:
+        if 300 <= e.code < 400:  # urllib refuses a redirect to file: and the like before asking us
+            raise MediaError(f"{_short(url)} redirected to a non-http URL or too many times; not followed") from None
         raise MediaError(f"fetching {_short(url)} failed: HTTP {e.code}") from None
     except (urllib.error.URLError, OSError, ValueError) as e:
         reason = getattr(e, "reason", None) or e
@@ -238,4 +248,8 @@ def _short(url: str, limit: int = 80) -> str:
 
 
 def _mib(n: int) -> str:
-    return f"{n / (1 << 20):g} MiB"
+    """A byte count as people write a limit: 20 MiB, 512 KiB."""
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n} bytes"

@@ -6,10 +6,19 @@ from __future__ import annotations
 import asyncio
 import json
 
+from types import SimpleNamespace
+
 import httpx2
 
+from mlx_server.api.openai.serving import ChatServing
+from mlx_server.config import Settings
 from mlx_server.engine.request import GenerationEvent, Timings, Usage
 from mlx_server.text.chat_output import OutputDelta
+
+
+def chat_serving(tokenizer) -> ChatServing:
+    """The chat path over a real tokenizer and no model: enough to render and check requests."""
+    return ChatServing(SimpleNamespace(tokenizer=tokenizer, vision=None), Settings(model_id="m"))
 
 
 class ScriptedOutput:

@@ -35,7 +35,11 @@ VISION = {
     "patch_size": 8,
 }
 SCALE_FACTOR = 2
-IMAGE_SEQ_LEN = (VISION["image_size"] // VISION["patch_size"]) ** 2 // SCALE_FACTOR**2
+# SmolVLM-256M's own vision tower and tiling, for benchmarks (bench/vision_turns.py --real-vision):
+# 512x512 tiles of 16x16 patches, 64 tokens per tile.
+REAL_VISION = {**VISION, "hidden_size": 768, "intermediate_size": 3072, "num_attention_heads": 12,
+               "num_hidden_layers": 12, "image_size": 512, "patch_size": 16}
+REAL_SCALE_FACTOR = 4
 PREPROCESSOR = {
     "image_processor_type": "SmolVLMImageProcessor",
     "processor_class": "SmolVLMProcessor",
@@ -47,15 +51,15 @@ PREPROCESSOR = {
     "do_resize": True,
     "image_mean": [0.5, 0.5, 0.5],
     "image_std": [0.5, 0.5, 0.5],
-    "max_image_size": {"longest_edge": VISION["image_size"]},
+    "max_image_size": {"longest_edge": 0},  # a tile: the vision tower's image size
     "resample": 1,
     "rescale_factor": 1 / 255,
-    "size": {"longest_edge": 2 * VISION["image_size"]},
+    "size": {"longest_edge": 0},  # images are first resized to at most 2x2 tiles
 }
 
 
-def build_model(text_dir: Path, out: Path) -> Path:
-    """An mlx-vlm SmolVLM directory from the 2-layer SmolLM2 export in `text_dir` (about 45 MB)."""
+def build_model(text_dir: Path, out: Path, vision: dict = VISION, scale_factor: int = SCALE_FACTOR) -> Path:
+    """An mlx-vlm SmolVLM directory from the SmolLM2 export in `text_dir` (about 45 MB with 2 layers)."""
     if (out / "model.safetensors").exists():
         return out
     import mlx.core as mx
@@ -97,11 +101,11 @@ def build_model(text_dir: Path, out: Path) -> Path:
         "architectures": ["SmolVLMForConditionalGeneration"],
         "model_type": "smolvlm",
         "image_token_id": image_token_id,
-        "scale_factor": SCALE_FACTOR,
+        "scale_factor": scale_factor,
         "vocab_size": vocab,
         "eos_token_id": [tokenizer.convert_tokens_to_ids("<end_of_utterance>"), tokenizer.eos_token_id],
         "text_config": {"model_type": "llama", "vocab_size": vocab, **{k: text_config[k] for k in text_keys}},
-        "vision_config": VISION,
+        "vision_config": vision,
         "quantization": {
             **{k: v for k, v in text_config["quantization"].items() if not isinstance(v, dict)},
             "language_model.embed_tokens": quant,
@@ -110,19 +114,19 @@ def build_model(text_dir: Path, out: Path) -> Path:
     }
     model = Model(ModelConfig(
         text_config=TextConfig(**config["text_config"]),
-        vision_config=VisionConfig(**VISION),
+        vision_config=VisionConfig(**vision),
         model_type="smolvlm",
-        scale_factor=SCALE_FACTOR,
+        scale_factor=scale_factor,
         vocab_size=vocab,
         image_token_id=image_token_id,
     ))
-    vision = {k: v for k, v in tree_flatten(model.parameters()) if not k.startswith("language_model.")}
+    tower = {k: v for k, v in tree_flatten(model.parameters()) if not k.startswith("language_model.")}
     # Scale the projection so image features are as large as text embeddings: the image matters.
     proj = "connector.modality_projection.proj.weight"
-    vision[proj] = vision[proj] * (embed_std / float(mx.std(vision[proj])) / 4)
-    weights.update(vision)
+    tower[proj] = tower[proj] * (embed_std / float(mx.std(tower[proj])) / 4)
+    weights.update(tower)
     # Vision and connector are not quantized: say so per module, as mlx-vlm reads it.
-    for name in {k.rsplit(".", 1)[0] for k in vision}:
+    for name in {k.rsplit(".", 1)[0] for k in tower}:
         if isinstance(_module(model, name), (nn.Linear, nn.Embedding)):
             config["quantization"][name] = False
 
@@ -134,9 +138,12 @@ def build_model(text_dir: Path, out: Path) -> Path:
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(partial)
     (partial / "chat_template.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
-    (partial / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR, indent=2))
+    tile = vision["image_size"]
+    preprocessor = {**PREPROCESSOR, "max_image_size": {"longest_edge": tile}, "size": {"longest_edge": 2 * tile}}
+    (partial / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2))
+    image_seq_len = (tile // vision["patch_size"]) ** 2 // scale_factor**2
     (partial / "processor_config.json").write_text(
-        json.dumps({"processor_class": "SmolVLMProcessor", "image_seq_len": IMAGE_SEQ_LEN}, indent=2)
+        json.dumps({"processor_class": "SmolVLMProcessor", "image_seq_len": image_seq_len}, indent=2)
     )
     partial.rename(out)
     return out

@@ -22,7 +22,8 @@ router = APIRouter()
 
 
 def make_registry(engine) -> CollectorRegistry:
-    """Gauges read at scrape time, so the hot path pays nothing for them."""
+    """Gauges read at scrape time (the hot path pays nothing for them), and counters and
+    histograms the engine feeds once per generation, as it ends."""
     registry = CollectorRegistry()
     Gauge("mlx_active_sequences", "Generations running or waiting for a batch slot", registry=registry).set_function(
         lambda: engine.active_count

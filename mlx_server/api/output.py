@@ -49,8 +49,10 @@ class OutputPlanner:
         self.tokenizer = tokenizer
         self.think = reasoning_markers(tokenizer, template_source)
         self.split_reasoning = settings.reasoning_format != "none"
-        name = settings.tool_call_parser or infer_tool_format(tokenizer, template_source)
-        self.tool_format: ToolFormat | None = tool_format(name) if name else None
+        # A model with no tool format of its own (SmolLM2) still gets `required` and named calls,
+        # written the most common way (Hermes / Qwen JSON in <tool_call>).
+        name = settings.tool_call_parser or infer_tool_format(tokenizer, template_source) or "json_tools"
+        self.tool_format: ToolFormat = tool_format(name)
         self._warned: set[str] = set()
         # llguidance's tokenizer takes seconds to build for a large vocabulary: not on the first request.
         threading.Thread(target=guidance.ll_tokenizer, args=(tokenizer,), name="llguidance-tokenizer", daemon=True).start()
@@ -64,17 +66,16 @@ class OutputPlanner:
         banned: list[int] = []
         if tools and want.tool_choice == "none":
             # The tools stay in the prompt (the conversation may mention them), but no call can start.
-            if fmt and (token := guidance.special_token(self.tokenizer, fmt.start)) is not None:
+            if (token := guidance.special_token(self.tokenizer, fmt.start)) is not None:
                 banned.append(token)
             tools = []
         if want.tool_choice == "function":
             tools = [t for t in tools if t["function"]["name"] == want.tool_name]
-        if tools and fmt:
+        if tools:
             config.tool_format, config.tools = fmt, want.tools
-        constrain_tools = bool(tools) and fmt is not None and can_constrain_tools(fmt.name)
+        constrain_tools = bool(tools) and can_constrain_tools(fmt.name)
         if tools and not constrain_tools and want.tool_choice in ("required", "function"):
-            self._warn_once(f"tool_choice '{want.tool_choice}' is not enforced: no grammar for tool-call format "
-                            f"{fmt.name if fmt else None!r}")
+            self._warn_once(f"tool_choice '{want.tool_choice}' is not enforced: no grammar for tool-call format {fmt.name!r}")
         if want.json_schema is not None:
             self._check_schema(want.json_schema, want.schema_param)
         if constrain_tools:

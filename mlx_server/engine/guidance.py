@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from typing import Callable
 
 import llguidance
 import llguidance.hf
@@ -54,29 +55,37 @@ def token_bytes(tokenizer, token: int) -> bytes:
 class GrammarProcessor:
     """An mlx-lm logits processor `(tokens, logits) -> logits` that allows only what the grammar allows.
 
-    mlx-lm calls it once per decode step with the sequence's tokens so far (the prompt on the
-    first call), so the tokens it has not seen are the ones sampled since.
+    It must see every token the sequence samples: wrap the sequence's sampler with `sampler`.
+    Reading the token that sampler returned (rather than mlx-lm's token context, which is
+    queued behind the batch's forward pass) lets every sequence's mask be computed while the
+    forward pass already runs.
     """
 
     def __init__(self, tokenizer, grammar: str):
         ll = ll_tokenizer(tokenizer)
         self.matcher = llguidance.LLMatcher(ll, grammar, log_level=0)
         self.bitmask = allocate_token_bitmask(1, ll.vocab_size)
-        self.seen: int | None = None
+        self._sampled: mx.array | None = None  # the previous step's token, not yet consumed
         self.broken = False
 
+    def sampler(self, sample: Callable[[mx.array], mx.array]) -> Callable[[mx.array], mx.array]:
+        def sample_and_remember(logprobs: mx.array) -> mx.array:
+            self._sampled = sample(logprobs)
+            return self._sampled
+
+        return sample_and_remember
+
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
-        n = tokens.shape[0]
-        if self.seen is not None and n > self.seen:
-            self.matcher.consume_tokens(tokens[self.seen :].tolist())
-        self.seen = n
+        # Start this step's forward pass now, so it runs while the mask is computed.
+        mx.async_eval(logits)
+        if self._sampled is not None:
+            self.matcher.consume_token(self._sampled.item())
+            self._sampled = None
         if self.matcher.is_error():
             if not self.broken:
                 self.broken = True
                 logger.warning("constrained decoding stopped constraining: %s", self.matcher.get_error())
             return logits
-        # Start this step's forward pass now, so it runs while the mask is computed.
-        mx.async_eval(logits)
         fill_next_token_bitmask(self.matcher, self.bitmask)
         return apply_bitmask(logits, self.bitmask[0])
 

@@ -266,16 +266,18 @@ class Engine:
                 # Images not all in the cached prefix: prefill up to the last token from their embeddings.
                 cache = self.vision.prefill(req.vision, cache, seq.cached)
                 rest = tokens[-1:]
-            processors = make_processors(req.sampling)
+            processors, sampler = make_processors(req.sampling), make_sampler(req.sampling)
             if req.grammar:  # last, so that no bias or penalty can lift a token it forbids
-                processors.append(GrammarProcessor(self.tokenizer, req.grammar))
+                grammar = GrammarProcessor(self.tokenizer, req.grammar)
+                processors.append(grammar)
+                sampler = grammar.sampler(sampler)
             processors = [_isolated(seq, p, fallback=lambda tokens, logits: logits) for p in processors]
             (uid,) = self._gen.insert(
                 [rest],
                 max_tokens=[req.max_tokens],
                 caches=[cache],
                 all_tokens=[tokens[: len(tokens) - len(rest)]],
-                samplers=[_isolated(seq, make_sampler(req.sampling), fallback=greedy)],
+                samplers=[_isolated(seq, sampler, fallback=greedy)],
                 logits_processors=[processors],
             )
         except Exception as e:

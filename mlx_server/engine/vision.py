@@ -29,6 +29,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
+from mlx_server.log import logger
 from mlx_server.media import LoadedImage
 
 
@@ -82,7 +83,6 @@ class Vision:
         # Image features as placed in the prompt's embeddings, by images_key; engine thread only.
         self._features: OrderedDict[str, mx.array] = OrderedDict()
         self._feature_cache_size = feature_cache_size
-        self.features_computed = 0  # how many times the vision tower ran (tests read it through /metrics-free logs)
 
     # ---- any thread ----
 
@@ -136,14 +136,20 @@ class Vision:
             return embeds
         arrays = {k: mx.array(v) for k, v in vin.arrays.items()}
         out = self.vlm.get_input_embeddings(ids, arrays.pop("pixel_values", None), **arrays)
+        extra = [k for k, v in out.to_dict().items() if k != "inputs_embeds" and v is not None]
+        if extra:  # the decode would need these too, and BatchGenerator cannot pass them
+            raise RuntimeError(f"{self.model_type}'s image embeddings come with {extra}; images are not supported")
         embeds = out.inputs_embeds
         features = embeds[0, positions]
         mx.eval(embeds, features)
-        self.features_computed += 1
+        logger.info("vision: encoded the images of a prompt into %d image tokens", len(vin.positions))
         self._features[vin.images_key] = features
         while len(self._features) > self._feature_cache_size:
             self._features.popitem(last=False)
         return embeds
+
+
+CROSS_ATTENTION_TYPES = {"mllama"}
 
 
 def unsupported_reason(config: dict) -> str | None:
@@ -154,6 +160,8 @@ def unsupported_reason(config: dict) -> str | None:
     rope = {**(text.get("rope_scaling") or {}), **(text.get("rope_parameters") or {}), **(config.get("rope_scaling") or {})}
     if "mrope_section" in rope or "mrope_section" in text:
         return "it places image tokens with multimodal rotary positions (mRoPE)"
+    if config.get("model_type") in CROSS_ATTENTION_TYPES:
+        return "it attends to images by cross-attention, not through image tokens"
     try:
         arch, model_type = get_model_and_args(config)
     except (KeyError, ValueError, ImportError):

@@ -139,3 +139,24 @@ def test_default_kv_budget_is_three_quarters_of_what_weights_and_caches_leave():
 def test_default_kv_budget_always_holds_one_full_context():
     model = fake_model(2, 4, 4, 16, mx.float16, n_weights=1 << 20)
     assert plan_memory(model, ctx_size=4096, prompt_cache_bytes=0, memory_limit=1 << 20).kv_tokens == 4096
+
+
+def test_the_prefix_cache_holds_no_more_memory_than_its_cap(tiny_model_dir):
+    # A cache taken out of a batch used to pin the whole batch's KV buffers while counting one row.
+    server = ServerProcess("--model", str(tiny_model_dir), "--prompt-cache-bytes", "2M", "--max-concurrency", "8").wait_ready()
+    try:
+        baseline = metric(server.url, "mlx_memory_active_bytes")
+        for round in range(3):
+            out = {}
+            threads = [threading.Thread(target=stream_text, args=(server.url, ask(f"Round {round}, question {i}: why is the sky blue?", max_tokens=8), out, str(i)))
+                       for i in range(8)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(120)
+            assert all(final["usage"]["completion_tokens"] == 8 for _, final in out.values())
+        assert 0 < metric(server.url, "mlx_prompt_cache_bytes") <= 2 << 20
+        # The cap, plus 2 MiB for what MLX keeps besides (pinned batches made this ~20 MiB).
+        assert metric(server.url, "mlx_memory_active_bytes") - baseline <= (2 << 20) + (2 << 20)
+    finally:
+        server.stop()

@@ -7,9 +7,9 @@ import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
+from schemathesis.specs.openapi.checks import positive_data_acceptance
 
 from conftest import ServerProcess
-from schemathesis.specs.openapi.checks import positive_data_acceptance
 
 EXAMPLES = 25  # per operation and mode; bounded so the suite fits CI
 # Not checked: that every schema-valid request is accepted. A request can be well-formed and
@@ -18,7 +18,7 @@ EXAMPLES = 25  # per operation and mode; bounded so the suite fits CI
 
 @pytest.fixture(scope="module")
 def fuzz_server(tiny_model_dir):
-    # A small context keeps every generated generation request cheap.
+    # A small context keeps every generated request cheap: long prompts are quick 400s.
     server = ServerProcess("--model", str(tiny_model_dir), "--ctx-size", "96", "--model-id", "tiny").wait_ready()
     yield server
     server.stop()

@@ -1,13 +1,12 @@
 """Property tests of every parser of untrusted input: whatever a client sends, the answer is a
 result or a 400 naming the field, never an exception that would become a 500.
-
-(Image URL handling does not exist yet: a text-only model refuses every image with a 400.)
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import json
 
 import pytest
@@ -22,6 +21,7 @@ from mlx_server.api.openai.protocol import ChatCompletionRequest
 from mlx_server.api.sse import data_frame, event_frame
 from mlx_server.cli import _size
 from mlx_server.config import Settings
+from mlx_server.media import MediaError, MediaPolicy, load_image, read_media
 
 PROPERTY = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -65,15 +65,11 @@ chat_bodies = st.fixed_dictionaries({"model": text, "messages": messages}, optio
 
 
 @pytest.fixture(scope="module")
-def chat(tiny_model_dir):
+def chat(idle_engine):
     """ChatServing with the tiny model's real tokenizer and chat template (no engine thread)."""
-    from types import SimpleNamespace
-
-    from mlx_lm.utils import load_tokenizer
-
     from mlx_server.api.openai.serving import ChatServing
 
-    return ChatServing(SimpleNamespace(tokenizer=load_tokenizer(tiny_model_dir)), Settings(model_id="tiny", ctx_size=1 << 20))
+    return ChatServing(idle_engine, Settings(model_id="tiny", ctx_size=1 << 20))
 
 
 def assert_is_a_400(err: APIError) -> None:
@@ -222,3 +218,26 @@ def test_json_nested_deeper_than_the_limit_is_a_400(depth, as_list):
         with pytest.raises(APIError) as e:
             check_depth(value, "tools")
         assert_is_a_400(e.value)
+
+
+NO_REMOTE = MediaPolicy(allow_remote=False, max_bytes=1 << 16)
+url_prefixes = st.sampled_from(["", "/", "file://", "file:///", "FILE://localhost/", "file://[", "data:", "data:image/png;base64,",
+                                "data:;base64,", "http://", "https://[", "ftp://", "~/", "C:\\"])
+
+
+@PROPERTY
+@given(url=st.builds(lambda prefix, rest: prefix + rest, url_prefixes, st.text(max_size=30)))
+def test_any_image_url_is_read_or_refused_with_a_media_error(url):
+    try:
+        assert isinstance(read_media(url, NO_REMOTE), bytes)
+    except MediaError as e:
+        assert str(e)
+
+
+@PROPERTY
+@given(payload=st.binary(max_size=256))
+def test_any_data_url_payload_decodes_or_is_refused_with_a_media_error(payload):
+    try:
+        load_image("data:image/png;base64," + base64.b64encode(payload).decode(), NO_REMOTE)
+    except MediaError as e:
+        assert str(e)

@@ -193,3 +193,13 @@ def test_unknown_tool_call_parser_is_a_startup_error(qwen3_model_dir):
     assert server.proc.wait(120) != 0
     assert "--tool-call-parser" in server.stderr()
     assert not any("listening" in line for line in server.lines)
+
+
+def test_a_model_without_a_tool_format_still_makes_required_calls(client):
+    """SmolLM2's template knows no tools: calls are written (and enforced) as JSON in <tool_call>."""
+    r = client.post("/v1/chat/completions", json={"model": "m", "messages": ASK, "tools": TOOLS, "tool_choice": "required",
+                                                  "parallel_tool_calls": False, "temperature": 0, "max_tokens": 80})
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    assert len(choice["message"]["tool_calls"]) == 1
+    assert_calls_valid(choice["message"]["tool_calls"])

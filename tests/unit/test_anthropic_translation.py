@@ -4,8 +4,6 @@ deltas (thinking, text, tool calls) into blocks and events that the official SDK
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
-
 import anthropic
 import pytest
 from mlx_lm.utils import load_tokenizer
@@ -13,11 +11,18 @@ from mlx_lm.utils import load_tokenizer
 from mlx_server.api.anthropic.protocol import MessagesRequest
 from mlx_server.api.anthropic.serving import BlockStream, MessagesServing, stop_reason
 from mlx_server.api.errors import APIError
-from mlx_server.api.openai.serving import ChatServing
-from mlx_server.config import Settings
 from mlx_server.engine.request import GenerationEvent, Usage
 from mlx_server.text.chat_output import OutputDelta, ToolCallDelta
-from protocol_fakes import ConnectedRequest, ScriptedHandle, ScriptedOutput, collect_stream, replaying_client, run_async, sse_frames
+from protocol_fakes import (
+    ConnectedRequest,
+    ScriptedHandle,
+    ScriptedOutput,
+    chat_serving,
+    collect_stream,
+    replaying_client,
+    run_async,
+    sse_frames,
+)
 
 # A ChatML template that knows tool calls and tool results, as Qwen's does.
 TOOL_TEMPLATE = (
@@ -42,7 +47,7 @@ def serving(tokenizer_dir, template=None) -> MessagesServing:
     tokenizer = load_tokenizer(tokenizer_dir)
     if template is not None:
         tokenizer._tokenizer.chat_template = template
-    return MessagesServing(ChatServing(SimpleNamespace(tokenizer=tokenizer), Settings(model_id="m")))
+    return MessagesServing(chat_serving(tokenizer))
 
 
 @pytest.fixture(scope="module")

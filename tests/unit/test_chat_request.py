@@ -19,7 +19,7 @@ CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", 
 
 
 def serving(tokenizer, **settings) -> ChatServing:
-    return ChatServing(SimpleNamespace(tokenizer=tokenizer), Settings(model_id="m", **settings))
+    return ChatServing(SimpleNamespace(tokenizer=tokenizer, vision=None), Settings(model_id="m", **settings))
 
 
 def build(chat: ChatServing, **body):

@@ -2,22 +2,19 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 from mlx_lm.utils import load_tokenizer
 
 from mlx_server.api.completions.protocol import CompletionRequest
 from mlx_server.api.completions.serving import FIM_MARKERS, CompletionServing, fim_markers
 from mlx_server.api.errors import APIError
-from mlx_server.api.openai.serving import ChatServing
-from mlx_server.config import Settings
+from protocol_fakes import chat_serving
 
 
 @pytest.fixture(scope="module")
 def serving(tiny_model_dir):
     tokenizer = load_tokenizer(tiny_model_dir)
-    return CompletionServing(ChatServing(SimpleNamespace(tokenizer=tokenizer), Settings(model_id="m")))
+    return CompletionServing(chat_serving(tokenizer))
 
 
 def prompts(serving, prompt, **fields):

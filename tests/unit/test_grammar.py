@@ -177,12 +177,12 @@ def test_processor_masks_logits_with_portable_mx_ops(qwen3_tokenizer):
     """llguidance.mlx needs Metal; the processor applies the mask with mx.where on any device."""
     lark = grammar(qwen3_tokenizer, schema={"enum": ["yes"]}, think=None)
     processor = GrammarProcessor(qwen3_tokenizer, lark)
+    sample = processor.sampler(lambda logprobs: mx.argmax(logprobs, axis=-1))
     width = 151936 + 64  # models pad their vocabulary
-    prompt = mx.array([1, 2, 3])
-    logits = processor(prompt, mx.zeros((1, width)))
+    logits = processor(mx.array([1, 2, 3]), mx.zeros((1, width)))
     allowed = np.flatnonzero(np.isfinite(np.array(logits[0])))
     assert [qwen3_tokenizer.decode([int(t)]) for t in allowed] == ['"']  # the forced start of "yes"
-    quote = int(allowed[0])
-    logits = processor(mx.array([1, 2, 3, quote]), mx.zeros((1, width)))
+    sample(logits)
+    logits = processor(mx.array([1, 2, 3, int(allowed[0])]), mx.zeros((1, width)))
     allowed = np.flatnonzero(np.isfinite(np.array(logits[0])))
     assert all(qwen3_tokenizer.decode([int(t)]) in ("yes", "y", "ye", 'yes"') for t in allowed)

@@ -5,18 +5,14 @@ prompts, scripted ChatOutput deltas (reasoning, text, function calls) into outpu
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
-
 import openai
 import pytest
 from mlx_lm.utils import load_tokenizer
 
 from mlx_server.api.errors import APIError
-from mlx_server.api.openai.serving import ChatServing
 from mlx_server.api.responses.protocol import ResponsesRequest
 from mlx_server.api.responses.serving import ResponsesServing, response_head
 from mlx_server.api.responses.store import ResponseStore, StoredResponse
-from mlx_server.config import Settings
 from mlx_server.engine.request import SamplingParams
 from mlx_server.text.chat_output import OutputDelta, ToolCallDelta
 from openai_schema import assert_valid
@@ -25,6 +21,7 @@ from protocol_fakes import (
     ConnectedRequest,
     ScriptedHandle,
     ScriptedOutput,
+    chat_serving,
     collect_stream,
     replaying_client,
     run_async,
@@ -50,14 +47,14 @@ def tokenizer(tiny_model_dir):
 
 @pytest.fixture
 def serving(tokenizer):
-    return ResponsesServing(ChatServing(SimpleNamespace(tokenizer=tokenizer), Settings(model_id="m")), ResponseStore(4))
+    return ResponsesServing(chat_serving(tokenizer), ResponseStore(4))
 
 
 @pytest.fixture(scope="module")
 def with_tools(tiny_model_dir):
     tokenizer = load_tokenizer(tiny_model_dir)
     tokenizer._tokenizer.chat_template = TOOL_TEMPLATE
-    return ResponsesServing(ChatServing(SimpleNamespace(tokenizer=tokenizer), Settings(model_id="m")))
+    return ResponsesServing(chat_serving(tokenizer))
 
 
 def request(**fields) -> ResponsesRequest:
