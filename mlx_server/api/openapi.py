@@ -195,6 +195,16 @@ SCHEMAS = {
     },
 }
 
+def _sse_event(description: str) -> dict:
+    """One server-sent event as SSE parsers (and schemathesis) see it: its `event` name and `data` text."""
+    return {
+        "type": "object",
+        "description": description,
+        "required": ["data"],
+        "properties": {"event": {"type": "string"}, "data": {"type": "string"}, "id": {"type": "string"}},
+    }
+
+
 # (method, path) -> the 200 response, for the routes whose bodies we build by hand.
 OK_RESPONSES = {
     ("get", "/health"): {"application/json": {"schema": {"$ref": _REF + "Health"}}},
@@ -208,15 +218,15 @@ OK_RESPONSES = {
     },
     ("post", "/v1/messages"): {
         "application/json": {"schema": {"type": "object", "description": "an Anthropic Message"}},
-        "text/event-stream": {"schema": {"type": "string", "description": "With `stream: true`: Anthropic's `event: <name>` / `data: <JSON>` frames"}},
+        "text/event-stream": {"schema": _sse_event("With `stream: true`: Anthropic's `event: <name>` / `data: <JSON>` frames")},
     },
     ("post", "/v1/responses"): {
         "application/json": {"schema": {"type": "object", "description": "an OpenAI Response"}},
-        "text/event-stream": {"schema": {"type": "string", "description": "With `stream: true`: `event: response.*` / `data: <JSON>` frames"}},
+        "text/event-stream": {"schema": _sse_event('With `stream: true`: `event: response.*` / `data: <JSON>` frames')},
     },
     ("post", "/v1/completions"): {
         "application/json": {"schema": {"type": "object", "description": "an OpenAI text_completion"}},
-        "text/event-stream": {"schema": {"type": "string", "description": "With `stream: true`: `data: <text_completion JSON>` frames, then `data: [DONE]`"}},
+        "text/event-stream": {"schema": _sse_event('With `stream: true`: `data: <text_completion JSON>` frames, then `data: [DONE]`')},
     },
 }
 
