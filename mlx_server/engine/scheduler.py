@@ -277,7 +277,8 @@ class Engine:
                 max_tokens=[req.max_tokens],
                 caches=[cache],
                 all_tokens=[tokens[: len(tokens) - len(rest)]],
-                samplers=[_isolated(seq, sampler, fallback=greedy)],
+                # Plain greedy cannot fail and, shared, lets mlx-lm sample the batch in one call.
+                samplers=[sampler if sampler is greedy else _isolated(seq, sampler, fallback=greedy)],
                 logits_processors=[processors],
             )
         except Exception as e:
