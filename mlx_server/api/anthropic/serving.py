@@ -35,7 +35,7 @@ from mlx_server.api.chat_like import (
     tool_call,
 )
 from mlx_server.api.errors import APIError, anthropic_error_body
-from mlx_server.api.openai.serving import ChatServing, submit
+from mlx_server.api.openai.serving import ChatServing, run_to_end, submit
 from mlx_server.api.sse import SSE_HEADERS, event_frame, on_disconnect
 from mlx_server.engine.request import GenerationEvent, GenerationRequest
 from mlx_server.engine.scheduler import GenerationHandle
@@ -110,15 +110,8 @@ class MessagesServing:
 
     async def _complete(self, handle: GenerationHandle, output: ChatOutput, head: dict, max_tokens: int,
                         request: Request) -> JSONResponse:
-        watcher = on_disconnect(request, handle.cancel)
         blocks = BlockStream()
-        try:
-            async for event in handle.events():
-                blocks.feed(output.feed(event.text))
-        finally:
-            watcher.cancel()
-        if event.finish_reason == "error":
-            raise APIError(503, event.error or "generation failed", type="server_error", code="generation_failed")
+        event = await run_to_end(handle, request, lambda e: blocks.feed(output.feed(e.text)))
         blocks.feed(output.finish())
         blocks.close()
         reason, sequence = stop_reason(event, blocks.used_tools, max_tokens)

@@ -201,18 +201,16 @@ class ChatServing:
         return await self._complete(handle, output, meta, request)
 
     async def _complete(self, handle: GenerationHandle, output: ChatOutput, meta: dict, request: Request) -> JSONResponse:
-        watcher = on_disconnect(request, handle.cancel)
         parts: list[OutputDelta] = []
         logprobs: list[TokenLogprob] | None = None
-        try:
-            async for event in handle.events():
-                parts.append(output.feed(event.text))
-                if event.logprobs is not None:
-                    logprobs = (logprobs or []) + event.logprobs
-        finally:
-            watcher.cancel()
-        if event.finish_reason == "error":
-            raise APIError(503, event.error or "generation failed", type="server_error", code="generation_failed")
+
+        def on_event(event: GenerationEvent) -> None:
+            nonlocal logprobs
+            parts.append(output.feed(event.text))
+            if event.logprobs is not None:
+                logprobs = (logprobs or []) + event.logprobs
+
+        event = await run_to_end(handle, request, on_event)
         parts.append(output.finish())
         message = {"role": "assistant", "content": "".join(p.content for p in parts), "refusal": None}
         reasoning = "".join(p.reasoning for p in parts)
@@ -339,6 +337,20 @@ def logprobs_dict(entries: list[TokenLogprob] | None) -> dict | None:
 
     content = [{**one(e.token, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]} for e in entries]
     return {"content": content, "refusal": None}
+
+
+async def run_to_end(handle: GenerationHandle, request: Request, on_event) -> GenerationEvent:
+    """A non-streamed answer: every event to `on_event`, the client's disconnect cancelling it;
+    returns the last event; a failed generation is a 503."""
+    watcher = on_disconnect(request, handle.cancel)
+    try:
+        async for event in handle.events():
+            on_event(event)
+    finally:
+        watcher.cancel()
+    if event.finish_reason == "error":
+        raise APIError(503, event.error or "generation failed", type="server_error", code="generation_failed")
+    return event
 
 
 def submit(engine: Engine, request: GenerationRequest) -> GenerationHandle:

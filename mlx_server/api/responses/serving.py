@@ -18,7 +18,7 @@ from starlette.requests import Request
 
 from mlx_server.api.chat_like import ChatTranslation, Segments, Step, build_request, tool_call
 from mlx_server.api.errors import APIError
-from mlx_server.api.openai.serving import ChatServing, submit
+from mlx_server.api.openai.serving import ChatServing, run_to_end, submit
 from mlx_server.api.responses.protocol import (
     FunctionCallItem,
     FunctionCallOutputItem,
@@ -107,15 +107,8 @@ class ResponsesServing:
 
     async def _complete(self, handle: GenerationHandle, output: ChatOutput, head: dict, history: tuple, store: bool,
                         request: Request) -> JSONResponse:
-        watcher = on_disconnect(request, handle.cancel)
         items = ItemStream()
-        try:
-            async for event in handle.events():
-                items.feed(output.feed(event.text))
-        finally:
-            watcher.cancel()
-        if event.finish_reason == "error":
-            raise APIError(503, event.error or "generation failed", type="server_error", code="generation_failed")
+        event = await run_to_end(handle, request, lambda e: items.feed(output.feed(e.text)))
         items.feed(output.finish())
         items.close(item_status(event))
         response = self._finished(head, items, event, history, store)
