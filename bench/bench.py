@@ -239,7 +239,7 @@ async def run_single(servers: list[dict], engines: list[str], model: Path, args)
     async with httpx.AsyncClient(timeout=None) as c:
         for rnd in range(args.rounds):
             for who in rotate([x["name"] for x in servers] + engines, rnd):
-                msgs = single_messages(rnd, 1 if args.quick else 4)
+                msgs = single_messages(rnd, args.prompt_sentences or (1 if args.quick else 4))
                 if who.startswith("engine-"):
                     r = await asyncio.to_thread(run_engine, who.split("-")[1], model, msgs, args.tokens)
                 else:
@@ -400,6 +400,8 @@ def parse_args():
     p.add_argument("--rounds", type=int, default=1, help="single-workload rounds (median reported)")
     p.add_argument("--bandwidth", type=float, default=31e9, help="memory bandwidth in bytes/s (default 31e9, this CPU)")
     p.add_argument("--json-out", default=None, help="also write the JSON result to this file")
+    p.add_argument("--prompt-sentences", type=int, default=None,
+                   help="sentences (~17 tokens each) in the single-workload prompt (default 4: ~100 tokens with the template)")
     p.add_argument("--engine-forms", default="f32,4bit",
                    help="engine baselines to run: f32 (dequantized, OpenBLAS) and/or 4bit (weights as stored); "
                         "on a GPU use 4bit alone, which then means 'as stored' (bf16 stays bf16)")
@@ -447,7 +449,7 @@ async def main_async(a) -> dict:
             # first would pay for both: every server sees every prompt length and batch size first.
             for s in servers:
                 await chat(c, s, [{"role": "user", "content": "Hello!"}], 4)
-                await chat(c, s, single_messages(9999), 4)
+                await chat(c, s, single_messages(9999, a.prompt_sentences or 4), 4)
                 for n in sorted(set(a.clients or [])):
                     await asyncio.gather(*[chat(c, s, concurrent_messages(9000 + j), 4) for j in range(n)],
                                          return_exceptions=True)  # mlx_lm.server drops some at 32
