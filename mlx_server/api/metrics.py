@@ -95,18 +95,21 @@ class RequestMetrics:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        status = 500
+        counted = False
 
         async def send_with_status(message):
-            nonlocal status
+            nonlocal counted
             if message["type"] == "http.response.start":
-                status = message["status"]
+                # Counted as the answer starts: a client that has its answer sees it in /metrics.
+                counted = True
+                self.requests.labels(self._route(scope), str(message["status"])).inc()
             await send(message)
 
         try:
             await self.app(scope, receive, send_with_status)
         finally:
-            self.requests.labels(self._route(scope), str(status)).inc()
+            if not counted:  # no answer at all: the server failed
+                self.requests.labels(self._route(scope), "500").inc()
 
     def _route(self, scope) -> str:
         """The matched route's template; a raw path would let any client grow the series without end."""

@@ -371,15 +371,16 @@ class Engine:
             seq.request.id, why, usage.prompt_tokens, seq.cached, usage.completion_tokens,
             timings.as_dict()["predicted_per_second"],
         )
-        self._emit(seq, GenerationEvent(
-            text=text, finish_reason=reason, usage=usage, timings=timings, error=error, stop_sequence=seq.stop.stopped,
-            logprobs=_take_logprobs(seq),
-        ))
+        # Observers first: a client that has its answer and then scrapes /metrics must see it counted.
         if self.on_finish is not None:
             try:
                 self.on_finish(why, usage, timings, (seq.t_start or now) - seq.t_submit)
             except Exception:  # an observer must never stop the engine
                 logger.exception("on_finish observer failed")
+        self._emit(seq, GenerationEvent(
+            text=text, finish_reason=reason, usage=usage, timings=timings, error=error, stop_sequence=seq.stop.stopped,
+            logprobs=_take_logprobs(seq),
+        ))
 
     def _fail_all(self, message: str) -> None:
         for seq in list(self._active.values()):
