@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
-from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
 
+from mlx_server.engine.batch import make_batch_generator
 from mlx_server.engine.guidance import GrammarProcessor
 from mlx_server.engine.memory import batch_fits
 from mlx_server.engine.request import GenerationEvent, GenerationRequest, Timings, TokenLogprob, Usage
@@ -123,7 +123,7 @@ class Engine:
         self.on_finish = None
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="mlx-engine", daemon=True)
-        self._gen: BatchGenerator | None = None
+        self._gen = None  # batch.py's generator, made on the engine thread
 
     # ---- the caller's side (any thread, usually the event loop) ----
 
@@ -203,7 +203,7 @@ class Engine:
     # ---- the engine thread ----
 
     def _run(self) -> None:
-        self._gen = BatchGenerator(self.model, **self._batch_args)
+        self._gen = make_batch_generator(self.model, **self._batch_args)
         while not self._stopping:
             self._admit(block=not self._active and not self._waiting)
             self._drop_cancelled()
@@ -387,7 +387,7 @@ class Engine:
             self._finish(seq, "error", "", error=message)
         self._gen.close()
         mx.clear_cache()
-        self._gen = BatchGenerator(self.model, **self._batch_args)
+        self._gen = make_batch_generator(self.model, **self._batch_args)
 
     @staticmethod
     def _emit(seq: _Sequence, event: GenerationEvent) -> None:
