@@ -38,6 +38,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--reasoning-format", choices=["deepseek", "reasoning_content", "reasoning", "none"], default="deepseek", help="where <think> reasoning goes: deepseek (alias reasoning_content) = message.reasoning_content, reasoning = message.reasoning, none = left inline in the content (default deepseek)")
     p.add_argument("--dequantize", choices=["auto", "on", "off"], default="auto", help="dequantize quantized weights to float32 (auto: on CPUs when it fits in a quarter of RAM; faster there)")
     p.add_argument("--no-openblas", dest="openblas", action="store_false", help="do not load the system OpenBLAS in place of the mlx-cpu wheel's reference BLAS (Linux)")
+    p.add_argument("--parallel", choices=["pipeline", "tensor"], default=None, help="one model across the ranks started by mlx.launch: pipeline = each rank holds a run of layers, tensor = each rank holds a slice of every layer; rank 0 serves HTTP (README: Several machines)")
+    p.add_argument("--peer-timeout", type=float, default=60.0, help="with --parallel: seconds one step may wait for the other ranks before the group gives up and exits (default 60)")
     p.add_argument("--version", action="version", version=f"mlx-server {__version__}")
     args = p.parse_args(argv)
     if not 0 < args.port < 65536:
@@ -46,6 +48,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--ctx-size must be positive, got {args.ctx_size}")
     if args.max_concurrency < 1 or args.max_queue < 0:
         p.error("--max-concurrency must be at least 1 and --max-queue at least 0")
+    if not args.peer_timeout > 0:
+        p.error(f"--peer-timeout must be positive, got {args.peer_timeout}")
     return args
 
 
@@ -57,6 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     blas = preload_openblas() if args.openblas else None
     from mlx_server.engine.loader import ModelError, default_model_path, derive_model_id, load_model, resolve_model_path
 
+    group = _join_group(args)
     say("mlx-server starting...")
     try:
         model_arg = args.model or str(default_model_path())
@@ -65,7 +70,9 @@ def main(argv: list[str] | None = None) -> None:
         say(f"Context size: {args.ctx_size}")
         path = resolve_model_path(model_arg)
         say(f"Loading model from: {path}")
-        loaded = load_model(path, dequantize=args.dequantize)
+        loaded = load_model(path, dequantize=args.dequantize, group=group, parallel=args.parallel)
+        if group is not None:
+            _check_same_setup(group, path, args)
     except ModelError as e:
         fatal(f"Error: {e}")
         sys.exit(1)
@@ -99,10 +106,52 @@ def main(argv: list[str] | None = None) -> None:
     if blas:
         logger.info("CPU BLAS: %s", blas)
     say(f"Model loaded: {settings.model_id} ({loaded.weights}{', takes images and video' if loaded.vision else ''})")
-    serve(loaded, settings)
+    serve(loaded, settings, group=group, peer_timeout=args.peer_timeout)
 
 
-def serve(loaded, settings: Settings) -> None:
+def _join_group(args):
+    """The distributed group when started by mlx.launch with --parallel; a follower rank's log
+    lines say which rank they come from. A group that cannot form is a fatal start-up error."""
+    if not args.parallel:
+        return None
+    from mlx_server.engine.distributed import init_group
+    from mlx_server.log import set_rank
+
+    try:
+        group = init_group(args.parallel)
+    except Exception as e:
+        fatal(f"Error: could not join the distributed group: {e}")
+        sys.exit(1)
+    if group is not None and group.rank() != 0:
+        set_rank(group.rank())
+    if group is not None:
+        logger.info("rank %d of %d (pid %d)", group.rank(), group.size(), os.getpid())
+    return group
+
+
+def _check_same_setup(group, path, args) -> None:
+    """Every rank must load the same model files with the same scheduling flags, or the ranks
+    would drift apart; a mismatch is a start-up error on every rank."""
+    import hashlib
+
+    from mlx_server.engine.distributed import group_min
+    from mlx_server.engine.loader import ModelError
+
+    h = hashlib.sha256()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors.index.json"):
+        f = path / name
+        h.update(f.read_bytes() if f.is_file() else b"-")
+    for value in (args.parallel, args.max_concurrency, args.max_queue, args.prompt_cache_bytes, args.dequantize):
+        h.update(repr(value).encode())
+    mine = int.from_bytes(h.digest()[:7], "big")
+    if group_min(group, mine) != mine or -group_min(group, -mine) != mine:
+        raise ModelError(
+            "the ranks do not agree: their model files (config.json, tokenizer, weight index) or their "
+            "--parallel/--max-concurrency/--max-queue/--prompt-cache-bytes/--dequantize differ; give every rank the same"
+        )
+
+
+def serve(loaded, settings: Settings, group=None, peer_timeout: float = 60.0) -> None:
     from mlx_server.api.app import create_app
     from mlx_server.engine.memory import apply_mlx_limits, format_bytes, plan_memory
     from mlx_server.engine.scheduler import Engine
@@ -123,17 +172,35 @@ def serve(loaded, settings: Settings) -> None:
     )
     if plan.kv_tokens and plan.kv_tokens < settings.ctx_size:
         logger.warning("the KV cache cap holds %d tokens, less than --ctx-size %d: longer prompts are refused", plan.kv_tokens, settings.ctx_size)
+    channel, kv_tokens, cache_bytes = None, plan.kv_tokens, settings.prompt_cache_bytes
+    if group is not None:
+        from mlx_server.engine.distributed import StepChannel, group_min
+
+        # One budget for the whole group (the smallest rank's), and prompt-cache caps in proportion
+        # to the layers each rank holds, so that every rank keeps and evicts the same prefixes.
+        kv_tokens = group_min(group, kv_tokens or NO_CAP)
+        kv_tokens = 0 if kv_tokens == NO_CAP else kv_tokens
+        cache_bytes = _rank_cache_bytes(loaded, settings.prompt_cache_bytes)
+        channel = StepChannel(group, timeout=peer_timeout)
     engine = Engine(
         loaded.model,
         loaded.tokenizer,
         completion_batch_size=settings.max_concurrency,
-        prompt_cache_bytes=settings.prompt_cache_bytes,
+        prompt_cache_bytes=cache_bytes,
         max_queue=settings.max_queue,
-        kv_tokens=plan.kv_tokens,
-        vision=loaded.vision,
+        kv_tokens=kv_tokens,
+        vision=loaded.vision if group is None else None,
+        channel=channel,
     )
+    if channel is not None and not channel.is_leader:
+        _follow(engine, channel)
+    if channel is not None:
+        channel.on_timeout = lambda: engine.fail_group("another rank stopped answering (--peer-timeout)")
     engine.start()
     _warm_up(engine)
+    if engine.failed:
+        fatal(f"Error: {engine.failed}")
+        os._exit(1)
     app = create_app(engine, settings)
     config = uvicorn.Config(
         app,
@@ -145,12 +212,42 @@ def serve(loaded, settings: Settings) -> None:
         lifespan="off",
     )
     server = _Server(config, engine)
+    # A failed group (a rank died or hung) ends the server: in-flight requests have their error by now.
+    engine.on_group_failure = lambda: setattr(server, "should_exit", True)
     server.run()
     engine.stop(timeout=0.5)
     say("server stopped")
     sys.stdout.flush()
     # Skip interpreter teardown: a prefill still running on the engine thread must not delay exit.
-    os._exit(0 if server.started else 1)
+    os._exit(0 if server.started and not engine.failed else 1)
+
+
+NO_CAP = 1 << 62
+
+
+def _rank_cache_bytes(loaded, total: int) -> int:
+    """This rank's share of --prompt-cache-bytes. Under a pipeline a rank holds layers/total_layers of
+    every cached prefix; scaling its cap the same way makes every rank evict exactly the same entries."""
+    config = loaded.config or {}
+    total_layers = config.get("num_hidden_layers") or config.get("text_config", {}).get("num_hidden_layers")
+    local = len(getattr(loaded.model, "layers", []) or [])
+    if not total_layers or not local or local >= total_layers:
+        return total
+    return total * local // total_layers
+
+
+def _follow(engine, channel) -> None:
+    """A follower rank: no HTTP, run rank 0's steps until it stops the group, then exit."""
+    import signal
+
+    # mlx.launch stops every rank with SIGTERM: end at once, without waiting for the group.
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0 if not engine.failed else 1))
+    channel.on_timeout = lambda: os._exit(1)
+    logger.info("following rank 0")
+    status = engine.follow()
+    logger.info("stopped (%s)", "the group failed" if status else "rank 0 stopped")
+    sys.stdout.flush()
+    os._exit(status)
 
 
 def _warm_up(engine) -> None:
@@ -183,6 +280,10 @@ class _Server(uvicorn.Server):
             say(f"server is listening on {host}:{port}")
 
     def handle_exit(self, sig, frame) -> None:
+        if self.engine.channel is not None:
+            # One rank of several: mlx.launch sends SIGTERM when another rank has died; a client
+            # cut off mid-answer must see an error, not an answer that merely stops.
+            self.engine.cancel_error = "the server is shutting down"
         self.engine.cancel_all()
         super().handle_exit(sig, frame)
         # uvicorn re-raises captured signals after shutdown, which would end the process

@@ -29,6 +29,13 @@ def setup_logging(level: int = logging.INFO) -> None:
     logging.getLogger("uvicorn.access").disabled = True
 
 
+def set_rank(rank: int) -> None:
+    """On a follower rank of a distributed group, every line says which rank it comes from."""
+    global PREFIX
+    PREFIX = f"[mlx] [rank {rank}] "
+    setup_logging()
+
+
 def say(message: str) -> None:
     """Print one `[mlx] ` line to stdout at once (the lines Jan watches for)."""
     print(PREFIX + message, flush=True)

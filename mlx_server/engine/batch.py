@@ -1,9 +1,146 @@
-"""The continuous-batching generator the scheduler drives (mlx-lm's `BatchGenerator`)."""
+"""The continuous-batching generator the scheduler drives: mlx-lm's `BatchGenerator`, with its
+KV caches told when they need no attention mask.
+
+mlx-lm's `BatchKVCache` always hands the model an explicit boolean mask (it allows for rows that
+are left-padded to a common length). MLX's fused attention kernels take no array mask, so with a
+mask every layer of every step runs the unfused attention instead (scale, QK^T matmul, masked
+`where`, softmax, matmul, reshapes: several kernels and a score tensor per layer); on the CUDA
+backend that is most of what made one stream through the batch generator slower than mlx-lm's
+`stream_generate`, whose plain `KVCache` passes no mask for a one-token step. When no row of the
+batch is padded (always so for one sequence, and for sequences that started together with prompts
+of one length) the mask allows everything but the future, so `_PadAwareBatchKVCache` gives what a
+`KVCache` gives: no mask for a decode step, `"causal"` for a prefill chunk. Rows' padding is kept
+on the host, so deciding costs no device synchronization.
+
+The generation step itself (mlx-lm's `GenerationBatch`: the next step's forward pass is queued with
+`mx.async_eval` before this step's tokens are read, per-sequence logits processors see every token
+before the next mask is computed) is unchanged.
+
+`MLX_SERVER_PLAIN_BATCH=1` in the environment gives mlx-lm's generator unchanged (for comparison).
+"""
 
 from __future__ import annotations
 
+import os
+
+import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
+from mlx_lm.models.cache import BatchKVCache, KVCache, create_attention_mask
+
+
+class _PadAwareBatchKVCache(BatchKVCache):
+    """A `BatchKVCache` that mirrors each row's left padding on the host (`_pad`) and asks for
+    no explicit mask while no row is padded. Everything else is mlx-lm's."""
+
+    def __init__(self, left_padding):
+        super().__init__(left_padding)
+        self._pad = [int(p) for p in left_padding]
+        self._rpad = None
+
+    @classmethod
+    def adopt(cls, cache: BatchKVCache) -> "_PadAwareBatchKVCache":
+        """Turn a plain BatchKVCache (as mlx-lm's merge makes it) into one of these, in place."""
+        cache.__class__ = cls
+        cache._pad = [int(p) for p in cache.left_padding.tolist()]
+        rp = cache._right_padding
+        cache._rpad = None if rp is None else [int(p) for p in rp.tolist()]
+        return cache
+
+    @property
+    def unpadded(self) -> bool:
+        return self._rpad is None and self._right_padding is None and not any(self._pad)
+
+    def make_mask(self, N: int, return_array: bool = False, window_size=None, **kwargs):
+        if self.unpadded and not kwargs:
+            # What KVCache gives: None for one token, "causal" (bottom-right aligned) for more.
+            return create_attention_mask(N, offset=self._idx, return_array=return_array, window_size=window_size)
+        return super().make_mask(N, return_array=return_array, window_size=window_size, **kwargs)
+
+    def prepare(self, *, left_padding=None, lengths=None, right_padding=None):
+        super().prepare(left_padding=left_padding, lengths=lengths, right_padding=right_padding)
+        if left_padding is not None:
+            self._pad = [p + int(q) for p, q in zip(self._pad, left_padding)]
+        if right_padding is not None and max(right_padding) > 0:
+            self._rpad = [int(p) for p in right_padding]
+
+    def finalize(self):
+        if self._rpad is not None:
+            self._pad = [p + q for p, q in zip(self._pad, self._rpad)]
+            self._rpad = None
+        super().finalize()
+
+    def filter(self, batch_indices):
+        # mlx-lm's, except that the common padding to drop is known on the host: mlx-lm reads it back
+        # from the device, which waits for the step already queued.
+        idx = batch_indices.tolist() if hasattr(batch_indices, "tolist") else list(batch_indices)
+        if self.keys is not None:
+            self.keys = self.keys[batch_indices]
+            self.values = self.values[batch_indices]
+        self.offset = self.offset[batch_indices]
+        self.left_padding = self.left_padding[batch_indices]
+        pad = [self._pad[i] for i in idx]
+        shift = min(pad) if pad else 0
+        if shift > 0:
+            if self.keys is not None:
+                self.keys = self.keys[..., shift:, :]
+                self.values = self.values[..., shift:, :]
+            self._idx -= shift
+            self.left_padding -= shift
+        self._pad = [p - shift for p in pad]
+        if self._rpad is not None:
+            self._rpad = [self._rpad[i] for i in idx]
+
+    def extend(self, other):
+        if self._rpad is not None or getattr(other, "_rpad", None) is not None:
+            super().extend(other)  # not a case mlx-lm makes (batches are extended before or after prefill)
+            self._pad = [int(p) for p in self.left_padding.tolist()]
+            return
+        other_pad = _host_pad(other)
+        if self.keys is None and other.keys is None:
+            pad = self._pad + other_pad
+        else:  # mlx-lm right-aligns both at the longer one's index
+            top = max(self._idx, other._idx)
+            pad = [p + top - self._idx for p in self._pad] + [p + top - other._idx for p in other_pad]
+        super().extend(other)
+        self._pad = pad
+
+    def extract(self, idx):
+        # mlx-lm's reads the padding back from the device (a synchronization); ours is on the host.
+        cache = KVCache()
+        start = self._pad[idx]
+        cache.keys = mx.contiguous(self.keys[idx : idx + 1, :, start : self._idx])
+        cache.values = mx.contiguous(self.values[idx : idx + 1, :, start : self._idx])
+        cache.offset = cache.keys.shape[2]
+        return cache
+
+    @property
+    def state(self):
+        return BatchKVCache.state.fget(self)
+
+    @state.setter
+    def state(self, v):
+        BatchKVCache.state.fset(self, v)
+        self._pad = [int(p) for p in self.left_padding.tolist()]
+        self._rpad = None
+
+
+def _host_pad(cache) -> list[int]:
+    pad = getattr(cache, "_pad", None)
+    return list(pad) if pad is not None else [int(p) for p in cache.left_padding.tolist()]
+
+
+class PadAwareBatchGenerator(BatchGenerator):
+    """mlx-lm's BatchGenerator whose batches' plain `BatchKVCache`s are `_PadAwareBatchKVCache`s."""
+
+    def _make_batch(self, n: int):
+        batch = super()._make_batch(n)
+        batch.prompt_cache = [
+            _PadAwareBatchKVCache.adopt(c) if type(c) is BatchKVCache else c for c in batch.prompt_cache
+        ]
+        return batch
 
 
 def make_batch_generator(model, **kwargs) -> BatchGenerator:
-    return BatchGenerator(model, **kwargs)
+    if os.environ.get("MLX_SERVER_PLAIN_BATCH", "") not in ("", "0"):
+        return BatchGenerator(model, **kwargs)
+    return PadAwareBatchGenerator(model, **kwargs)

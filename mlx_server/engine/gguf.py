@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from collections import Counter
 from pathlib import Path
 
@@ -210,10 +212,11 @@ def load_gguf(path: str | Path) -> tuple[nn.Module, TokenizerWrapper, dict]:
     return model, wrapper, config
 
 
-def export_mlx_dir(gguf_path: str | Path, out_dir: str | Path, num_layers: int | None = None) -> Path:
+def export_mlx_dir(gguf_path: str | Path, out_dir: str | Path, num_layers: int | None = None, shards: int = 1) -> Path:
     """Write a model directory that `mlx_lm.load` loads to the GGUF's model.
 
-    num_layers keeps only the first N transformer layers (a small copy for protocol tests)."""
+    num_layers keeps only the first N transformer layers (a small copy for protocol tests);
+    shards > 1 splits the weights into that many files by layer, with the usual index file."""
     config, weights, tokenizer = _load(gguf_path)
     if num_layers is not None:
         config["num_hidden_layers"] = num_layers
@@ -227,8 +230,31 @@ def export_mlx_dir(gguf_path: str | Path, out_dir: str | Path, num_layers: int |
             }
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    if shards <= 1:
+        mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    else:
+        _save_sharded(weights, out, shards, config["num_hidden_layers"])
     save_config(config, out / "config.json")
     # The chat template goes in tokenizer_config.json, where every loader looks for it.
     tokenizer.save_pretrained(out, save_jinja_files=False)
     return out
+
+
+def _save_sharded(weights: dict, out: Path, shards: int, n_layers: int) -> None:
+    """Hugging Face's layout: model-0000i-of-0000n.safetensors, a run of layers each (the embeddings
+    and the final norm in the first), and model.safetensors.index.json mapping every weight to its file."""
+    def shard_of(name: str) -> int:
+        if name.startswith("model.layers."):
+            return min(int(name.split(".")[2]) * shards // n_layers, shards - 1)
+        return 0
+
+    files = [f"model-{i + 1:05d}-of-{shards:05d}.safetensors" for i in range(shards)]
+    weight_map = {}
+    for i, file in enumerate(files):
+        part = {k: v for k, v in weights.items() if shard_of(k) == i}
+        mx.save_safetensors(str(out / file), part, metadata={"format": "mlx"})
+        weight_map.update({k: file for k in part})
+    total = sum(v.nbytes for v in weights.values())
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2)
+    )

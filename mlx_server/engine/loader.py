@@ -30,6 +30,7 @@ class LoadedModel:
     context_length: int | None
     weights: str  # how the weights are held, for the start-up log: "quantized", "float32"...
     vision: object | None = None  # engine/vision.py's Vision when the model takes images
+    config: dict | None = None
 
 
 def default_model_path() -> Path:
@@ -75,11 +76,17 @@ def derive_model_id(model_arg: str) -> str:
     return name
 
 
-def load_model(path: Path, dequantize: str = "auto") -> LoadedModel:
-    """Load with mlx-lm (directories) or our GGUF reader (.gguf files); `dequantize` as device.py."""
+def load_model(path: Path, dequantize: str = "auto", group=None, parallel: str | None = None) -> LoadedModel:
+    """Load with mlx-lm (directories) or our GGUF reader (.gguf files); `dequantize` as device.py.
+
+    With a distributed `group`, only this rank's share of the weights is read (`parallel` says how
+    the model is split: engine/distributed.py)."""
     try:
         vision = None
-        if path.suffix.lower() == ".gguf":
+        shard = None
+        if group is not None:
+            model, tokenizer, config, shard = _load_shard(path, group, parallel)
+        elif path.suffix.lower() == ".gguf":
             from mlx_server.engine.gguf import load_gguf
 
             model, tokenizer, config = load_gguf(path)
@@ -87,7 +94,12 @@ def load_model(path: Path, dequantize: str = "auto") -> LoadedModel:
             config = json.loads((path / "config.json").read_text())
             model, tokenizer, vision = _load_directory(path, config)
         weights = "quantized" if "quantization" in config else "as stored"
-        if should_dequantize(model, dequantize):
+        dequantizing = should_dequantize(model, dequantize)
+        if group is not None:  # every rank must compute the logits the same way
+            from mlx_server.engine.distributed import group_all
+
+            dequantizing = group_all(group, dequantizing)
+        if dequantizing:
             dequantize_to_float32(model)
             weights = "dequantized to float32"
         # Materialise the weights here: lazy arrays made on this thread's stream cannot be
@@ -97,7 +109,28 @@ def load_model(path: Path, dequantize: str = "auto") -> LoadedModel:
         raise
     except Exception as e:
         raise ModelError(f"failed to load model from {path}: {e}") from e
-    return LoadedModel(model, tokenizer, path, _context_length(config), weights, vision)
+    if shard:
+        weights = f"{weights}; {shard}"
+    return LoadedModel(model, tokenizer, path, _context_length(config), weights, vision, config)
+
+
+def _load_shard(path: Path, group, parallel: str):
+    """(model, tokenizer, config, description): the model built lazily and split for this rank, so
+    that only this rank's weights are ever read from disk."""
+    from mlx_lm.utils import load_model as lazy_model
+    from mlx_lm.utils import load_tokenizer
+
+    from mlx_server.engine.distributed import ShardError, shard_model
+
+    if path.suffix.lower() == ".gguf":
+        raise ModelError("--parallel needs an MLX model folder (config.json and *.safetensors), not a .gguf file")
+    model, config = lazy_model(path, lazy=True)
+    try:
+        shard = shard_model(model, config, group, parallel)
+    except ShardError as e:
+        raise ModelError(str(e)) from e
+    tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id", None))
+    return model, tokenizer, config, shard
 
 
 def _load_directory(path: Path, config: dict):

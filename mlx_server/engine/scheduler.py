@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import queue
+import secrets
 import threading
 import time
 from collections import deque
@@ -20,6 +21,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
 
 from mlx_server.engine.batch import make_batch_generator
+from mlx_server.engine.distributed import GroupFailed, Step, request_from_wire, request_to_wire, token_checksum
 from mlx_server.engine.guidance import GrammarProcessor
 from mlx_server.engine.memory import batch_fits
 from mlx_server.engine.request import GenerationEvent, GenerationRequest, Timings, TokenLogprob, Usage
@@ -31,11 +33,12 @@ from mlx_server.text.stop import StopMatcher
 @dataclass
 class _Sequence:
     request: GenerationRequest
-    loop: asyncio.AbstractEventLoop
-    events: asyncio.Queue
+    loop: asyncio.AbstractEventLoop | None  # None on a follower rank: nobody listens there
+    events: asyncio.Queue | None
     detokenizer: object
     stop: StopMatcher
-    cancelled: bool = False
+    cancelled: bool = False  # asked for, from any thread, at any time
+    cancel_seen: bool = False  # taken into account by the engine thread at a step boundary
     uid: int | None = None
     cached: int = 0
     generated: int = 0
@@ -58,6 +61,10 @@ class EngineBusy(Exception):
 
 class KVCapExceeded(Exception):
     """The prompt alone needs more KV cache than the memory cap allows; retrying cannot help."""
+
+
+class EngineUnavailable(Exception):
+    """The engine cannot run generations any more (a rank of its group failed); the caller answers 503."""
 
 
 class GenerationHandle:
@@ -98,6 +105,7 @@ class Engine:
         max_queue: int = 64,
         kv_tokens: int = 0,
         vision=None,
+        channel=None,
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -124,6 +132,14 @@ class Engine:
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="mlx-engine", daemon=True)
         self._gen = None  # batch.py's generator, made on the engine thread
+        # distributed.StepChannel when this engine is one rank of several (rank 0 decides, the
+        # others follow step by step); None for a single process.
+        self.channel = channel
+        self.failed: str | None = None  # why the group cannot go on; submit() then refuses
+        self.on_group_failure = None  # called once when the group fails (rank 0 shuts the server down)
+        # Set before cancel_all() when a cancelled generation must end as an error (a shutdown that
+        # cuts answers off), not as a normal stop.
+        self.cancel_error: str | None = None
 
     # ---- the caller's side (any thread, usually the event loop) ----
 
@@ -137,12 +153,16 @@ class Engine:
         self._thread.join(timeout)
 
     def submit(self, request: GenerationRequest) -> GenerationHandle:
+        if self.failed:
+            raise EngineUnavailable(self.failed)
         loop = asyncio.get_running_loop()
         detokenizer = copy.copy(self.tokenizer.detokenizer)
         detokenizer.reset()
         self._fit_to_kv_budget(request)
         seq = _Sequence(request, loop, asyncio.Queue(), detokenizer, StopMatcher(request.stop))
         with self._live_lock:
+            if self.failed:
+                raise EngineUnavailable(self.failed)
             if len(self._live) >= self.max_live:
                 raise EngineBusy(f"the server is busy: {len(self._live)} generations are running or waiting")
             self._live[request.id] = seq
@@ -204,38 +224,101 @@ class Engine:
 
     def _run(self) -> None:
         self._gen = make_batch_generator(self.model, **self._batch_args)
-        while not self._stopping:
-            self._admit(block=not self._active and not self._waiting)
-            self._drop_cancelled()
-            self._start_waiting()
-            if not self._active:
-                continue
-            try:
-                _, responses = self._gen.next()
-            except Exception as e:  # a failed step must not kill the thread or later requests
-                logger.exception("generation step failed")
-                self._fail_all(public_error("generation failed", e))
-                continue
-            for r in responses:
-                seq = self._active.get(r.uid)
-                if seq is not None:
-                    self._on_token(seq, r)
-            self._drop_failed()
+        checksum = 0  # of the tokens sampled in the last step (ranks compare theirs with rank 0's)
+        try:
+            while True:
+                added, cancel, stop = self._next_step(checksum)
+                if stop:
+                    return
+                self._waiting.extend(added)
+                for seq in cancel:
+                    seq.cancel_seen = True
+                self._drop_cancelled()
+                self._start_waiting()
+                checksum = 0
+                if not self._active:
+                    continue
+                try:
+                    if self.channel is None:
+                        _, responses = self._gen.next()
+                    else:
+                        with self.channel.busy():
+                            _, responses = self._gen.next()
+                        checksum = token_checksum(responses)
+                except Exception as e:  # a failed step must not kill the thread or later requests
+                    if self.channel is not None:  # but ranks that missed a step cannot go on
+                        raise GroupFailed(f"a generation step failed: {e}") from e
+                    logger.exception("generation step failed")
+                    self._fail_all(public_error("generation failed", e))
+                    continue
+                for r in responses:
+                    seq = self._active.get(r.uid)
+                    if seq is not None:
+                        self._on_token(seq, r)
+                self._drop_failed()
+        except GroupFailed as e:
+            self.fail_group(f"the model's distributed group failed: {e}")
 
-    def _admit(self, block: bool) -> None:
+    def _next_step(self, checksum: int) -> tuple[list[_Sequence], list[_Sequence], bool]:
+        """(sequences to add, sequences to cancel, stop) for the next step: decided here on a single
+        process or rank 0, and received from rank 0 on the other ranks."""
+        if self.channel is not None and not self.channel.is_leader:
+            step, leader_checksum = self.channel.exchange(None, 0)
+            if leader_checksum != checksum:
+                raise GroupFailed(f"rank {self.channel.rank} sampled different tokens from rank 0 (the ranks are out of step)")
+            added = [self._follower_sequence(request_from_wire(d)) for d in step.add]
+            known = {s.request.id: s for s in [*self._waiting, *self._active.values(), *added]}
+            return added, [known[i] for i in step.cancel if i in known], step.stop
+        added = self._admit(block=not self._active and not self._waiting)
+        cancel = [s for s in [*self._waiting, *self._active.values(), *added] if s.cancelled and not s.cancel_seen]
+        stop = self._stopping
+        if self.channel is not None:
+            for seq in added:  # every rank must draw the same random numbers
+                if seq.request.sampling.seed is None and seq.request.sampling.temperature > 0:
+                    seq.request.sampling.seed = secrets.randbits(63)
+            step = Step([request_to_wire(s.request) for s in added], [s.request.id for s in cancel], stop)
+            self.channel.exchange(step, checksum)
+        return added, cancel, stop
+
+    def _follower_sequence(self, request: GenerationRequest) -> _Sequence:
+        detokenizer = copy.copy(self.tokenizer.detokenizer)
+        detokenizer.reset()
+        return _Sequence(request, None, None, detokenizer, StopMatcher(request.stop))
+
+    def follow(self) -> int:
+        """Run as a follower rank on this thread until rank 0 stops the group; the exit status."""
+        self._run()
+        return 1 if self.failed else 0
+
+    def fail_group(self, message: str) -> None:
+        """The group cannot go on: every live generation ends with `message`, new ones are refused."""
+        if self.failed:
+            return
+        self.failed = message
+        logger.error("%s", message)
+        with self._live_lock:
+            seqs = list(self._live.values())
+        for seq in seqs + list(self._waiting) + list(self._active.values()):
+            self._finish(seq, "error", "", error=message)
+        if self.on_group_failure is not None:
+            self.on_group_failure()
+
+    def _admit(self, block: bool) -> list[_Sequence]:
+        """The sequences submitted since the last step (those cancelled meanwhile end here)."""
+        added: list[_Sequence] = []
         try:
             item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
         except queue.Empty:
-            return
+            return added
         while True:
             if isinstance(item, _Sequence) and not item.cancelled:
-                self._waiting.append(item)
+                added.append(item)
             elif isinstance(item, _Sequence):
-                self._finish(item, "stop", "")
+                self._end_cancelled(item, "")
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
-                return
+                return added
 
     def _start_waiting(self) -> None:
         """Start waiting sequences, oldest first, while the batch still fits the KV budget."""
@@ -298,14 +381,20 @@ class Engine:
                 self._finish(seq, "error", "", error=public_error("generation failed", seq.failure))
 
     def _drop_cancelled(self) -> None:
-        for seq in [s for s in self._waiting if s.cancelled]:
+        for seq in [s for s in self._waiting if s.cancel_seen]:
             self._waiting.remove(seq)
-            self._finish(seq, "stop", "")
-        gone = [seq for seq in self._active.values() if seq.cancelled]
+            self._end_cancelled(seq, "")
+        gone = [seq for seq in self._active.values() if seq.cancel_seen]
         if gone:
             self._remove(gone)
             for seq in gone:
-                self._finish(seq, "stop", self._flush(seq))
+                self._end_cancelled(seq, self._flush(seq))
+
+    def _end_cancelled(self, seq: _Sequence, text: str) -> None:
+        if self.cancel_error:
+            self._finish(seq, "error", "", error=self.cancel_error)
+        else:
+            self._finish(seq, "stop", text)
 
     def _on_token(self, seq: _Sequence, r) -> None:
         seq.generated += 1
@@ -317,7 +406,7 @@ class Engine:
             self._finish(seq, "stop", self._flush(seq))
             return
         seq.detokenizer.add_token(r.token)
-        if seq.request.logprobs is not None:
+        if seq.request.logprobs is not None and seq.loop is not None:
             seq.logprobs.append(token_logprob(self.tokenizer, r.logprobs, r.token, seq.request.logprobs))
         text = seq.stop.feed(seq.detokenizer.last_segment)
         if seq.stop.stopped is not None:
@@ -366,6 +455,8 @@ class Engine:
         )
         usage = Usage(len(seq.request.prompt_tokens), seq.generated, cached_tokens=seq.cached)
         why = "cancelled" if seq.cancelled else reason
+        if seq.loop is None:  # a follower rank's copy: nobody to tell
+            return
         logger.info(
             "%s %s: %d prompt tokens (%d cached), %d generated, %.1f tokens/s",
             seq.request.id, why, usage.prompt_tokens, seq.cached, usage.completion_tokens,
@@ -391,6 +482,8 @@ class Engine:
 
     @staticmethod
     def _emit(seq: _Sequence, event: GenerationEvent) -> None:
+        if seq.loop is None:  # a follower rank's copy
+            return
         try:
             seq.loop.call_soon_threadsafe(seq.events.put_nowait, event)
         except RuntimeError:  # the caller's loop is closed: nobody is listening any more

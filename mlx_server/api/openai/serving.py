@@ -19,7 +19,7 @@ from mlx_server.api.prompt import ChatPrompt
 from mlx_server.api.sse import DONE, SSE_HEADERS, data_frame, on_disconnect
 from mlx_server.config import Settings
 from mlx_server.engine.request import GenerationEvent, GenerationRequest, SamplingParams, TokenLogprob
-from mlx_server.engine.scheduler import Engine, EngineBusy, GenerationHandle, KVCapExceeded
+from mlx_server.engine.scheduler import Engine, EngineBusy, EngineUnavailable, GenerationHandle, KVCapExceeded
 from mlx_server.engine.vision import VisionInput
 from mlx_server.media import MediaPolicy
 from mlx_server.text.chat_output import ChatOutput, OutputDelta, ToolCallDelta
@@ -359,6 +359,8 @@ def submit(engine: Engine, request: GenerationRequest) -> GenerationHandle:
         return engine.submit(request)
     except EngineBusy as e:
         raise APIError(429, f"{e}; retry shortly", type="rate_limit_error", code="server_busy")
+    except EngineUnavailable as e:
+        raise APIError(503, str(e), type="server_error", code="engine_unavailable")
     except KVCapExceeded as e:
         # A 400, not a 5xx: SDKs retry 5xx, and this prompt will never fit.
         raise APIError(400, str(e), param="messages", code="context_length_exceeded")
