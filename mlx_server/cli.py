@@ -144,7 +144,8 @@ def _check_same_setup(group, path, args) -> None:
     for value in (args.parallel, args.max_concurrency, args.max_queue, args.prompt_cache_bytes, args.dequantize):
         h.update(repr(value).encode())
     mine = int.from_bytes(h.digest()[:7], "big")
-    if group_min(group, mine) != mine or -group_min(group, -mine) != mine:
+    lowest, highest = group_min(group, mine), -group_min(group, -mine)  # both on every rank, always
+    if lowest != highest:
         raise ModelError(
             "the ranks do not agree: their model files (config.json, tokenizer, weight index) or their "
             "--parallel/--max-concurrency/--max-queue/--prompt-cache-bytes/--dequantize differ; give every rank the same"

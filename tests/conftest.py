@@ -29,19 +29,23 @@ def free_port() -> int:
 class ServerProcess:
     """A real `python -m mlx_server` on a real port; stdout lines are collected as they come."""
 
-    def __init__(self, *args: str, env: dict | None = None, port: int | None = None):
+    def __init__(self, *args: str, env: dict | None = None, port: int | None = None, launcher: list[str] = ()):
+        """`launcher` goes before the server's command line (e.g. `mlx.launch ... --`)."""
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.lines: list[str] = []
         self._lines: queue.Queue = queue.Queue()
-        cmd = [sys.executable, "-m", "mlx_server", "--port", str(self.port), *args]
+        cmd = [*launcher, sys.executable, "-m", "mlx_server", "--port", str(self.port), *args]
         self.proc = subprocess.Popen(
             cmd,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
             env={**os.environ, **(env or {})},
+            # A launcher's ranks are its children: stop() signals the whole group.
+            start_new_session=bool(launcher),
         )
+        self._group = bool(launcher)
         threading.Thread(target=self._pump, daemon=True).start()
 
     def _pump(self):
@@ -72,13 +76,31 @@ class ServerProcess:
         return self.proc.stderr.read() if self.proc.poll() is not None else ""
 
     def stop(self):
-        if self.proc.poll() is None:
+        if self._group:
+            self._stop_group()
+        elif self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(10)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+    def _stop_group(self):
+        for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                return
+            deadline = time.monotonic() + wait
+            while time.monotonic() < deadline:
+                try:
+                    os.killpg(self.proc.pid, 0)
+                except ProcessLookupError:
+                    self.proc.wait()
+                    return
+                self.proc.poll()
+                time.sleep(0.1)
 
 
 @pytest.fixture(scope="session")
