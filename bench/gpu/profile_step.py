@@ -5,7 +5,8 @@
 Random weights of a real shape (bench/make_random_model.py's SHAPES), built in memory. Modes:
   stream        mlx-lm's generate_step (what stream_generate runs): the engine alone
   plain-B / ours-B     mlx-lm's BatchGenerator / engine/batch.py's generator, B sequences started
-                together with prompts of one length (no padding); `r` after B: ragged lengths (padded)
+                together with prompts of one length (no padding); `r` after B: ragged lengths (padded);
+                `t` after B: also the host time of building the forward pass's graph (Python) per step
   sched         our scheduler (engine/scheduler.py's Engine) in-process, one greedy request; its own timings
   prefill-plain / prefill-ours   time to the first token of a --long-prompt-token prompt
 Decode tokens/s are over steady steps (every sequence decoding), B sequences x steps / time.
@@ -57,7 +58,26 @@ def run_stream(model, vocab, tokens, plen):
     return {"tps": (len(times) - 1) / (times[-1] - times[0]), "tokens": out}
 
 
-def run_batch(cls, model, vocab, tokens, plen, b, ragged):
+class Timed:
+    """The model, with the host time spent building each forward pass's graph added up."""
+
+    def __init__(self, model):
+        self._model, self.build_s, self.calls = model, 0.0, 0
+
+    def __call__(self, *args, **kwargs):
+        t = time.perf_counter()
+        out = self._model(*args, **kwargs)
+        self.build_s += time.perf_counter() - t
+        self.calls += 1
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+
+def run_batch(cls, model, vocab, tokens, plen, b, ragged, timed=False):
+    if timed:
+        model = Timed(model)
     gen = cls(model, stop_tokens=[], completion_batch_size=32, prefill_batch_size=8)
     lens = [plen + (17 * i if ragged else 0) for i in range(b)]
     uids = gen.insert([prompt(n, i + 1, vocab) for i, n in enumerate(lens)], max_tokens=[tokens] * b)
@@ -75,7 +95,10 @@ def run_batch(cls, model, vocab, tokens, plen, b, ragged):
     n = sum(k for _, k in steady[1:])
     tps = n / (steady[-1][0] - steady[0][0]) if len(steady) > 2 else None
     gen.close()
-    return {"tps": tps, "tokens": out[uids[0]], "steady_steps": len(steady)}
+    res = {"tps": tps, "tokens": out[uids[0]], "steady_steps": len(steady)}
+    if timed:
+        res["graph_build_ms_per_call"] = 1000 * model.build_s / model.calls
+    return res
 
 
 def run_prefill(cls, model, vocab, plen):
@@ -142,7 +165,7 @@ def main():
                 r = run_prefill(classes[mode.split("-")[1]], model, vocab, a.long_prompt)
             else:
                 kind, b = mode.split("-")
-                r = run_batch(classes[kind], model, vocab, a.tokens, a.prompt, int(b.rstrip("r")), b.endswith("r"))
+                r = run_batch(classes[kind], model, vocab, a.tokens, a.prompt, int(b.rstrip("rt")), "r" in b, "t" in b)
             runs.append(r)
         if "ttft_s" in runs[0]:
             best = min(runs, key=lambda r: r["ttft_s"])

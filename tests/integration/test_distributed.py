@@ -193,21 +193,13 @@ def test_killing_rank_1_mid_stream_gives_an_error_and_the_group_exits(sharded_di
         assert eos.data
         body = {"model": "smol", "messages": [{"role": "user", "content": "Tell me a long story about a dragon."}],
                 "temperature": 0, "max_tokens": 2000, "stream": True, "logit_bias": {"2": -100}}
-        events, error = [], None
-        t_kill = None
-        with httpx.Client(timeout=30) as http, http.stream("POST", server.url + "/v1/chat/completions", json=body) as r:
-            assert r.status_code == 200
-            for line in r.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                event = json.loads(line[6:])
-                events.append(event)
-                if "error" in event:
-                    error = event["error"]
-                    break
-                if len(events) == 5:
-                    os.kill(rank1, signal.SIGKILL)
-                    t_kill = time.monotonic()
+        # A non-streamed request in flight at the same time must get a 503, not hang.
+        with ThreadPoolExecutor(1) as pool:
+            plain = pool.submit(httpx.post, server.url + "/v1/chat/completions", json={**body, "stream": False}, timeout=30)
+            events, error, t_kill = stream_until_error(server, body, lambda: os.kill(rank1, signal.SIGKILL))
+            plain = plain.result()
+        assert plain.status_code == 503, plain.text
+        assert re.search("distributed group failed|shutting down", plain.json()["error"]["message"])
         assert t_kill is not None, "the stream ended before rank 1 was killed"
         assert error is not None, "the stream ended without an error after rank 1 died"
         assert "distributed group failed" in error["message"] or "shutting down" in error["message"]
@@ -219,6 +211,49 @@ def test_killing_rank_1_mid_stream_gives_an_error_and_the_group_exits(sharded_di
             os.kill(rank0, 0)
         assert any("distributed group failed" in line for line in server.lines), "\n".join(server.lines)
     finally:
+        server.stop()
+
+
+def stream_until_error(server, body, kill):
+    """Stream `body`; after 5 events call `kill`; returns (events, the error event's error, when killed)."""
+    events, error, t_kill = [], None, None
+    with httpx.Client(timeout=30) as http, http.stream("POST", server.url + "/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                events.append(event)
+                if "error" in event:
+                    error = event["error"]
+                    break
+                if len(events) == 5:
+                    kill()
+                    t_kill = time.monotonic()
+    return events, error, t_kill
+
+
+def test_a_hung_rank_is_given_up_after_peer_timeout(sharded_dir):
+    # Rank 1 stops answering without closing its connections (SIGSTOP): rank 0 gives up after
+    # --peer-timeout, ends the stream with an error and exits non-zero.
+    server = launch_group(sharded_dir, "--peer-timeout", "3").wait_ready(timeout=180)
+    rank1 = rank_pid(server, 1)
+    try:
+        body = {"model": "smol", "messages": [{"role": "user", "content": "Tell me a long story about a dragon."}],
+                "temperature": 0, "max_tokens": 2000, "stream": True, "logit_bias": {"2": -100}}
+        events, error, t_stop = stream_until_error(server, body, lambda: os.kill(rank1, signal.SIGSTOP))
+        assert t_stop is not None and error is not None
+        assert "stopped answering" in error["message"]
+        assert time.monotonic() - t_stop < 3 + 10
+        deadline = time.monotonic() + 10
+        while not any("server stopped" in line for line in server.lines) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert any("server stopped" in line for line in server.lines), "\n".join(server.lines)
+    finally:
+        try:
+            os.kill(rank1, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
         server.stop()
 
 
