@@ -217,10 +217,19 @@ def serve(loaded, settings: Settings, group=None, peer_timeout: float = 60.0) ->
     engine.on_group_failure = lambda: setattr(server, "should_exit", True)
     server.run()
     engine.stop(timeout=0.5)
-    say("server stopped")
-    sys.stdout.flush()
+    _last_words("server stopped")
     # Skip interpreter teardown: a prefill still running on the engine thread must not delay exit.
     os._exit(0 if server.started and not engine.failed else 1)
+
+
+def _last_words(message: str) -> None:
+    """A final log line; stdout may be a pipe whose reader is gone (a killed launcher), and that
+    must not keep the process from exiting."""
+    try:
+        say(message)
+        sys.stdout.flush()
+    except (OSError, ValueError):
+        pass
 
 
 NO_CAP = 1 << 62
@@ -246,8 +255,7 @@ def _follow(engine, channel) -> None:
     channel.on_timeout = lambda: os._exit(1)
     logger.info("following rank 0")
     status = engine.follow()
-    logger.info("stopped (%s)", "the group failed" if status else "rank 0 stopped")
-    sys.stdout.flush()
+    _last_words(f"stopped ({'the group failed' if status else 'rank 0 stopped'})")
     os._exit(status)
 
 

@@ -140,7 +140,9 @@ def _pipelined(cls: type) -> type:
 
 def group_min(group, value: int) -> int:
     """The smallest of every rank's `value` (so that all ranks make the same decision)."""
-    values = mx.distributed.all_gather(mx.array([int(value)], dtype=mx.int64), group=group, stream=mx.cpu)
+    from mlx_lm.generate import generation_stream
+
+    values = mx.distributed.all_gather(mx.array([int(value)], dtype=mx.int64), group=group, stream=generation_stream)
     return int(mx.min(values).item())
 
 
