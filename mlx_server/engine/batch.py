@@ -29,22 +29,67 @@ from mlx_lm.models.cache import BatchKVCache, KVCache, create_attention_mask
 
 
 class _PadAwareBatchKVCache(BatchKVCache):
-    """A `BatchKVCache` that mirrors each row's left padding on the host (`_pad`) and asks for
-    no explicit mask while no row is padded. Everything else is mlx-lm's."""
+    """A `BatchKVCache` that mirrors each row's left padding on the host (`_pad`), asks for no
+    explicit mask while no row is padded, and keeps `offset` (each row's position) on the host too.
+
+    mlx-lm keeps `offset` as a device array that every layer adds to at every step (one more kernel
+    per layer per step, and the RoPE takes per-row offsets). Row b's offset is always `_idx - pad_b`,
+    so here it is derived: the plain int `_idx` while no row is padded (what a `KVCache` gives the
+    model), else an array made from the host lists. mlx-lm's own writes to `offset` are ignored.
+    Everything else is mlx-lm's."""
 
     def __init__(self, left_padding):
         super().__init__(left_padding)
         self._pad = [int(p) for p in left_padding]
         self._rpad = None
+        self._as_array = False
+        self._offsets = None
+
+    @property
+    def offset(self):
+        if not self._as_array and not any(self._pad):
+            return self._idx
+        key = (self._idx, tuple(self._pad))
+        if self._offsets is None or self._offsets[0] != key:
+            self._offsets = (key, mx.array([self._idx - p for p in self._pad], dtype=mx.int32))
+        return self._offsets[1]
+
+    @offset.setter
+    def offset(self, value):
+        pass  # derived from _idx and _pad, which every change keeps up to date
 
     @classmethod
     def adopt(cls, cache: BatchKVCache) -> "_PadAwareBatchKVCache":
         """Turn a plain BatchKVCache (as mlx-lm's merge makes it) into one of these, in place."""
+        cache.__dict__.pop("offset", None)
         cache.__class__ = cls
+        cache._as_array, cache._offsets = False, None
         cache._pad = [int(p) for p in cache.left_padding.tolist()]
         rp = cache._right_padding
         cache._rpad = None if rp is None else [int(p) for p in rp.tolist()]
         return cache
+
+    def update_and_fetch(self, keys, values):
+        # mlx-lm's, without the offset update (derived here).
+        prev = self._idx
+        if self.keys is None or (prev + keys.shape[2]) > self.keys.shape[2]:
+            B, n_kv_heads, _, k_head_dim = keys.shape
+            v_head_dim = values.shape[3]
+            n_steps = (self.step + keys.shape[2] - 1) // self.step
+            new_k = mx.zeros((B, n_kv_heads, n_steps * self.step, k_head_dim), keys.dtype)
+            new_v = mx.zeros((B, n_kv_heads, n_steps * self.step, v_head_dim), values.dtype)
+            if self.keys is not None:
+                if prev % self.step != 0:
+                    self.keys = self.keys[..., :prev, :]
+                    self.values = self.values[..., :prev, :]
+                self.keys = mx.concatenate([self.keys, new_k], axis=2)
+                self.values = mx.concatenate([self.values, new_v], axis=2)
+            else:
+                self.keys, self.values = new_k, new_v
+        self._idx += keys.shape[2]
+        self.keys[..., prev : self._idx, :] = keys
+        self.values[..., prev : self._idx, :] = values
+        return self.keys_and_values()
 
     @property
     def unpadded(self) -> bool:
@@ -76,7 +121,6 @@ class _PadAwareBatchKVCache(BatchKVCache):
         if self.keys is not None:
             self.keys = self.keys[batch_indices]
             self.values = self.values[batch_indices]
-        self.offset = self.offset[batch_indices]
         self.left_padding = self.left_padding[batch_indices]
         pad = [self._pad[i] for i in idx]
         shift = min(pad) if pad else 0
@@ -91,18 +135,27 @@ class _PadAwareBatchKVCache(BatchKVCache):
             self._rpad = [self._rpad[i] for i in idx]
 
     def extend(self, other):
-        if self._rpad is not None or getattr(other, "_rpad", None) is not None:
-            super().extend(other)  # not a case mlx-lm makes (batches are extended before or after prefill)
-            self._pad = [int(p) for p in self.left_padding.tolist()]
-            return
-        other_pad = _host_pad(other)
-        if self.keys is None and other.keys is None:
-            pad = self._pad + other_pad
-        else:  # mlx-lm right-aligns both at the longer one's index
-            top = max(self._idx, other._idx)
-            pad = [p + top - self._idx for p in self._pad] + [p + top - other._idx for p in other_pad]
-        super().extend(other)
-        self._pad = pad
+        # mlx-lm's concatenates the rows' offsets: let both caches hand out arrays meanwhile.
+        self._as_array = True
+        if isinstance(other, _PadAwareBatchKVCache):
+            other._as_array = True
+        try:
+            if self._rpad is not None or getattr(other, "_rpad", None) is not None:
+                super().extend(other)  # not a case mlx-lm makes (batches are extended before or after prefill)
+                self._pad = [int(p) for p in self.left_padding.tolist()]
+                return
+            other_pad = _host_pad(other)
+            if self.keys is None and other.keys is None:
+                pad = self._pad + other_pad
+            else:  # mlx-lm right-aligns both at the longer one's index
+                top = max(self._idx, other._idx)
+                pad = [p + top - self._idx for p in self._pad] + [p + top - other._idx for p in other_pad]
+            super().extend(other)
+            self._pad = pad
+        finally:
+            self._as_array = False
+            if isinstance(other, _PadAwareBatchKVCache):
+                other._as_array = False
 
     def extract(self, idx):
         # mlx-lm's reads the padding back from the device (a synchronization); ours is on the host.

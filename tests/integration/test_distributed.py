@@ -387,3 +387,50 @@ def test_two_network_namespaces(two_hosts, sharded_dir, expected, tmp_path):
             rank1.kill()
     # Rank 0 stopped the group: rank 1 followed it out cleanly.
     assert rank1.returncode == 0, "".join(lines)
+
+
+# ---- tensor parallel: every layer split over the ranks ----
+
+
+@pytest.fixture(scope="module")
+def tensor_model_dir(sharded_dir) -> Path:
+    """A small llama with SmolLM2's tokenizer and random weights whose heads split over 2 ranks
+    (4 query, 2 key/value heads); SmolLM2 itself (9 and 3) cannot be split that way."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten, tree_map
+    from mlx_lm.models import llama
+    from mlx_lm.utils import save_config
+
+    out = CACHE / "models" / "llama-tiny-tensor-v1"
+    if (out / "config.json").exists():
+        return out
+    config = json.loads((sharded_dir / "config.json").read_text())
+    config.pop("quantization", None)
+    config.pop("quantization_config", None)
+    config.update(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=32)
+    mx.random.seed(7)
+    model = llama.Model(llama.ModelArgs.from_dict(config))
+    model.update(tree_map(lambda p: mx.random.normal(p.shape) * 0.05, model.parameters()))
+    out.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    save_config(config, out / "config.json")
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (out / f).write_bytes((sharded_dir / f).read_bytes())
+    return out
+
+
+def test_tensor_parallel_gives_the_same_greedy_tokens(tensor_model_dir):
+    single = ServerProcess("--model", str(tensor_model_dir), "--model-id", "smol").wait_ready()
+    try:
+        want = [ask(single, q) for q in QUESTIONS[:2]]
+    finally:
+        single.stop()
+    group = launch_group(tensor_model_dir, parallel="tensor").wait_ready(timeout=180)
+    try:
+        assert any("tensor parallel: rank 0 of 2" in line for line in group.lines)
+        assert [ask(group, q) for q in QUESTIONS[:2]] == want
+        with ThreadPoolExecutor(2) as pool:
+            assert list(pool.map(lambda q: ask(group, q, stream=True), QUESTIONS[:2])) == want
+    finally:
+        group.stop()

@@ -104,6 +104,8 @@ def test_one_sequence_decodes_without_a_mask(model):
     assert caches and all(type(c) is _PadAwareBatchKVCache for c in caches)
     assert caches[0].make_mask(1) is None
     assert caches[0].make_mask(4) == "causal"
+    # Like a KVCache, the position is a plain int: no per-layer offset array to update every step.
+    assert isinstance(caches[0].offset, int) and caches[0].offset == caches[0]._idx >= 9
 
 
 def test_ragged_batch_with_inserts_removes_and_finishes(model):
@@ -120,6 +122,24 @@ def test_ragged_batch_with_inserts_removes_and_finishes(model):
     assert set(ours[0]) == {"a", "b", "c", "d", "e"}
 
 
+def test_offsets_match_plain_generator_step_by_step(model):
+    gens = {"plain": BatchGenerator(model, stop_tokens=[]), "ours": PadAwareBatchGenerator(model, stop_tokens=[])}
+    names = {k: {} for k in gens}
+    script = {0: insert("a", prompt(10), max_tokens=20), 2: insert("b", prompt(3), max_tokens=5),
+              3: insert("c", prompt(16), max_tokens=20), 8: remove("a")}
+    for step in range(22):
+        seen = {}
+        for k, gen in gens.items():
+            if step in script:
+                script[step](gen, names[k])
+            gen.next()
+            caches = gen._generation_batch.prompt_cache
+            seen[k] = [(c._idx, c.left_padding.tolist(),
+                        c.offset.tolist() if isinstance(c.offset, mx.array) else [c.offset] * len(c.left_padding.tolist()))
+                       for c in caches]
+        assert seen["ours"] == seen["plain"]
+
+
 def test_padding_is_tracked_on_the_host_as_on_the_device(model):
     gen = PadAwareBatchGenerator(model, stop_tokens=[])
     names = {}
@@ -132,6 +152,9 @@ def test_padding_is_tracked_on_the_host_as_on_the_device(model):
         gen.next()
         for c in gen._generation_batch.prompt_cache:
             assert c._pad == c.left_padding.tolist()
+            # mlx-lm's offsets: each row's position, _idx less its left padding.
+            offsets = c.offset.tolist() if isinstance(c.offset, mx.array) else [c.offset] * len(c._pad)
+            assert offsets == [c._idx - p for p in c.left_padding.tolist()]
             if any(c._pad):
                 padded += 1
                 assert isinstance(c.make_mask(1), mx.array)
