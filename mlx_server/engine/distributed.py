@@ -29,7 +29,7 @@ PARALLEL_MODES = ("pipeline", "tensor")
 # Model types whose inner model is the plain llama layout (embed_tokens, layers, norm, and
 # layer(h, mask, cache)): our own pipeline split serves them. Models with mlx-lm's PipelineMixin
 # use mlx-lm's split.
-_LLAMA_LAYOUT = {"llama", "mistral", "qwen3", "qwen2", "olmo2", "granite"}
+_LLAMA_LAYOUT = {"llama", "mistral", "qwen3"}
 
 
 class ShardError(Exception):
