@@ -1,10 +1,11 @@
 """One model on two ranks against one process: resident memory of each rank, decode speed, throughput.
 
-    .venv/bin/python bench/distributed.py [--model DIR] [--rounds 3] [--tokens 128] [--rank-env OPENBLAS_NUM_THREADS=1]
+    .venv/bin/python bench/distributed.py [--model DIR] [--rounds 3] [--tokens 128] [--via direct|mlx.launch]
+        [--rank-env OPENBLAS_NUM_THREADS=1]
 
-Starts `mlx-server --model DIR` alone, measures it, stops it; then
-`mlx.launch --backend ring -n 2 -- mlx-server --model DIR --parallel pipeline` on this machine's
-loopback, measures it, stops it. Without --model, SmolLM2-135M-Instruct (the embedded default) is
+Starts `mlx-server --model DIR` alone, measures it, stops it; then two ranks of
+`mlx-server --model DIR --parallel pipeline` on this machine's loopback (ring backend), measures them,
+stops them. Without --model, SmolLM2-135M-Instruct (the embedded default) is
 exported once as an MLX folder with its weights in two files. Memory is each process's resident set
 (VmRSS, and VmHWM, its peak) after the runs; speed is measured at the client, as bench.py does.
 """
@@ -40,17 +41,33 @@ def default_model() -> Path:
     return out
 
 
-def start(model: Path, ranks: int, rank_env: list[str], logdir: Path) -> dict:
+def start(model: Path, ranks: int, args, logdir: Path) -> dict:
     port = free_port()
     cmd = [PY, "-m", "mlx_server", "--model", str(model), "--port", str(port), "--model-id", "m"]
-    if ranks > 1:
-        ring = free_port()
-        env_args = [a for e in rank_env for a in ("--env", e)]
-        cmd = [LAUNCH, "--backend", "ring", "-n", str(ranks), "-p", str(ring), *env_args, "--", *cmd, "--parallel", "pipeline"]
     logfile = logdir / f"ranks{ranks}.log"
-    proc = subprocess.Popen(cmd, stdout=open(logfile, "w"), stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
-    return {"name": f"{ranks} rank{'s' if ranks > 1 else ''}", "url": f"http://127.0.0.1:{port}", "proc": proc,
-            "log": logfile, "model": "m", "ranks": ranks}
+    out = open(logfile, "w")
+    srv = {"name": f"{ranks} rank{'s' if ranks > 1 else ''}", "url": f"http://127.0.0.1:{port}", "log": logfile,
+           "model": "m", "ranks": ranks, "extra": []}
+    if ranks == 1:
+        srv["proc"] = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
+        return srv
+    cmd += ["--parallel", "pipeline"]
+    ring = free_port()
+    if args.via == "mlx.launch":
+        env_args = [a for e in args.rank_env for a in ("--env", e)]
+        cmd = [LAUNCH, "--backend", "ring", "-n", str(ranks), "-p", str(ring), *env_args, "--", *cmd]
+        srv["proc"] = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
+        return srv
+    # What mlx.launch does for local ranks, without its output threads (they spin on a core each).
+    import os
+
+    hostfile = logdir / "hosts.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{ring + r}"] for r in range(ranks)]))
+    env = {**os.environ, "MLX_HOSTFILE": str(hostfile), **dict(e.split("=", 1) for e in args.rank_env)}
+    procs = [subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
+                              env={**env, "MLX_RANK": str(r)}) for r in range(ranks)]
+    srv["proc"], srv["extra"] = procs[0], procs[1:]
+    return srv
 
 
 async def ready(srv: dict, timeout: float = 300) -> None:
@@ -105,23 +122,24 @@ async def measure(srv: dict, args) -> dict:
 def stop(srv: dict) -> None:
     import os
 
-    try:
-        os.killpg(srv["proc"].pid, signal.SIGTERM)
-        srv["proc"].wait(15)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
+    for proc in [srv["proc"], *srv["extra"]]:
         try:
-            os.killpg(srv["proc"].pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(15)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 async def main_async(args) -> dict:
     model = Path(args.model) if args.model else default_model()
     logdir = Path(args.logdir)
     logdir.mkdir(parents=True, exist_ok=True)
-    results = {"model": str(model), "tokens": args.tokens, "rounds": args.rounds, "rank_env": args.rank_env}
+    results = {"model": str(model), "tokens": args.tokens, "rounds": args.rounds, "rank_env": args.rank_env, "via": args.via}
     for ranks in (1, 2):
-        srv = start(model, ranks, args.rank_env, logdir)
+        srv = start(model, ranks, args, logdir)
         try:
             await ready(srv)
             log(f"{srv['name']}: ready")
@@ -155,6 +173,9 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--clients", type=int, default=4)
     p.add_argument("--rank-env", action="append", default=[], help="VAR=VALUE for every rank (mlx.launch --env)")
+    p.add_argument("--via", choices=["direct", "mlx.launch"], default="direct",
+                   help="start the ranks with mlx.launch, or directly with the variables it sets (default: "
+                        "mlx.launch 0.32's output threads spin on a CPU core each, which a 2-core machine notices)")
     p.add_argument("--logdir", default="/tmp/mlx-server-bench-distributed")
     p.add_argument("--json-out", default="")
     args = p.parse_args()
