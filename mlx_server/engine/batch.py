@@ -30,47 +30,49 @@ from mlx_lm.models.cache import BatchKVCache, KVCache, create_attention_mask
 
 class _PadAwareBatchKVCache(BatchKVCache):
     """A `BatchKVCache` that mirrors each row's left padding on the host (`_pad`), asks for no
-    explicit mask while no row is padded, and keeps `offset` (each row's position) on the host too.
+    explicit mask while no row is padded, and then hands the model a plain int position.
 
-    mlx-lm keeps `offset` as a device array that every layer adds to at every step (one more kernel
-    per layer per step, and the RoPE takes per-row offsets). Row b's offset is always `_idx - pad_b`,
-    so here it is derived: the plain int `_idx` while no row is padded (what a `KVCache` gives the
-    model), else an array made from the host lists. mlx-lm's own writes to `offset` are ignored.
+    mlx-lm keeps `offset` (each row's position, `_idx` less the row's left padding) as a device
+    array that every layer adds to at every step: one more kernel per layer per step, and RoPE with
+    per-row offsets. While no row is padded every row's offset is `_idx`, so `offset` is that int
+    (what a `KVCache` gives the model) and the array (`_off`) is dropped; it is made again from the
+    host lists when padding appears, and from then on kept on the device exactly as mlx-lm does.
     Everything else is mlx-lm's."""
 
     def __init__(self, left_padding):
+        self._as_array = False
+        self._off = None
         super().__init__(left_padding)
         self._pad = [int(p) for p in left_padding]
         self._rpad = None
-        self._as_array = False
-        self._offsets = None
 
     @property
     def offset(self):
         if not self._as_array and not any(self._pad):
             return self._idx
-        key = (self._idx, tuple(self._pad))
-        if self._offsets is None or self._offsets[0] != key:
-            self._offsets = (key, mx.array([self._idx - p for p in self._pad], dtype=mx.int32))
-        return self._offsets[1]
+        if self._off is None:
+            self._off = mx.array([self._idx - p for p in self._pad], dtype=mx.int32)
+        return self._off
 
     @offset.setter
     def offset(self, value):
-        pass  # derived from _idx and _pad, which every change keeps up to date
+        # mlx-lm's writes: an array is the rows' offsets; an int comes from the unpadded case
+        # (the property gave `_idx`), where no array is kept.
+        self._off = value if isinstance(value, mx.array) else None
 
     @classmethod
     def adopt(cls, cache: BatchKVCache) -> "_PadAwareBatchKVCache":
         """Turn a plain BatchKVCache (as mlx-lm's merge makes it) into one of these, in place."""
-        cache.__dict__.pop("offset", None)
+        off = cache.__dict__.pop("offset", None)
         cache.__class__ = cls
-        cache._as_array, cache._offsets = False, None
+        cache._as_array, cache._off = False, off
         cache._pad = [int(p) for p in cache.left_padding.tolist()]
         rp = cache._right_padding
         cache._rpad = None if rp is None else [int(p) for p in rp.tolist()]
         return cache
 
     def update_and_fetch(self, keys, values):
-        # mlx-lm's, without the offset update (derived here).
+        # mlx-lm's, but while no row is padded the offsets array is not kept (see `offset`).
         prev = self._idx
         if self.keys is None or (prev + keys.shape[2]) > self.keys.shape[2]:
             B, n_kv_heads, _, k_head_dim = keys.shape
@@ -86,10 +88,23 @@ class _PadAwareBatchKVCache(BatchKVCache):
                 self.values = mx.concatenate([self.values, new_v], axis=2)
             else:
                 self.keys, self.values = new_k, new_v
+        if any(self._pad):
+            self.offset = self.offset + keys.shape[2]
+        else:
+            self._off = None
         self._idx += keys.shape[2]
         self.keys[..., prev : self._idx, :] = keys
         self.values[..., prev : self._idx, :] = values
         return self.keys_and_values()
+
+    def trim(self, n):
+        n = min(self._idx, n)
+        if any(self._pad):
+            self.offset = self.offset - n
+        else:
+            self._off = None
+        self._idx -= n
+        return n
 
     @property
     def unpadded(self) -> bool:
@@ -109,10 +124,10 @@ class _PadAwareBatchKVCache(BatchKVCache):
             self._rpad = [int(p) for p in right_padding]
 
     def finalize(self):
+        super().finalize()  # offsets -= right padding, with the padding before it (as `offset` reads it)
         if self._rpad is not None:
             self._pad = [p + q for p, q in zip(self._pad, self._rpad)]
             self._rpad = None
-        super().finalize()
 
     def filter(self, batch_indices):
         # mlx-lm's, except that the common padding to drop is known on the host: mlx-lm reads it back
@@ -121,6 +136,8 @@ class _PadAwareBatchKVCache(BatchKVCache):
         if self.keys is not None:
             self.keys = self.keys[batch_indices]
             self.values = self.values[batch_indices]
+        if self._off is not None:
+            self._off = self._off[batch_indices]
         self.left_padding = self.left_padding[batch_indices]
         pad = [self._pad[i] for i in idx]
         shift = min(pad) if pad else 0
@@ -175,6 +192,8 @@ class _PadAwareBatchKVCache(BatchKVCache):
         BatchKVCache.state.fset(self, v)
         self._pad = [int(p) for p in self.left_padding.tolist()]
         self._rpad = None
+        if not any(self._pad):
+            self._off = None
 
 
 def _host_pad(cache) -> list[int]:

@@ -258,6 +258,12 @@ class Engine:
                 self._drop_failed()
         except GroupFailed as e:
             self.fail_group(f"the model's distributed group failed: {e}")
+        except Exception as e:
+            if self.channel is None:
+                raise
+            # Any other failure leaves this rank out of step with the others: the group must end.
+            logger.exception("the engine failed")
+            self.fail_group(f"the model's distributed group failed: {public_error('engine error', e)}")
 
     def _next_step(self, checksum: int) -> tuple[list[_Sequence], list[_Sequence], bool]:
         """(sequences to add, sequences to cancel, stop) for the next step: decided here on a single

@@ -146,6 +146,20 @@ def test_each_rank_holds_half_the_layers(group):
     assert sum(READY in line for line in group.lines) == 1
 
 
+def weights_mib(lines: list[str]) -> list[float]:
+    """The weight sizes the start-up 'Memory:' lines report, in MiB."""
+    return [float(m.group(1)) for line in lines if (m := re.search(r"Memory: .* weights ([\d.]+) MiB", line))]
+
+
+def test_each_rank_holds_only_its_share_of_the_weights(group, single):
+    (whole,) = weights_mib(single.lines)
+    ranks = weights_mib(group.lines)
+    assert len(ranks) == 2
+    # Half the layers each, plus the embedding table both keep (a fifth of SmolLM2's weights).
+    for part in ranks:
+        assert part < 0.65 * whole, (ranks, whole)
+
+
 def test_same_greedy_tokens_plain_and_streamed(group, expected):
     for q in QUESTIONS:
         assert ask(group, q) == expected[q], q
