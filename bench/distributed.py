@@ -26,7 +26,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench import PY, ROOT, chat, concurrent_messages, free_port, log, single_messages  # noqa: E402
+from bench import PY, ROOT, chat, concurrent_messages, free_port, log, single_messages, wait_ready  # noqa: E402
 
 LAUNCH = str(Path(PY).with_name("mlx.launch"))
 
@@ -68,21 +68,6 @@ def start(model: Path, ranks: int, args, logdir: Path) -> dict:
                               env={**env, "MLX_RANK": str(r)}) for r in range(ranks)]
     srv["proc"], srv["extra"] = procs[0], procs[1:]
     return srv
-
-
-async def ready(srv: dict, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    async with httpx.AsyncClient(timeout=5) as c:
-        while time.monotonic() < deadline:
-            if srv["proc"].poll() is not None:
-                raise RuntimeError(f"{srv['name']} exited:\n{srv['log'].read_text()[-3000:]}")
-            try:
-                if (await c.get(srv["url"] + "/health")).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            await asyncio.sleep(0.5)
-    raise RuntimeError(f"{srv['name']} not ready after {timeout}s")
 
 
 def pids(srv: dict) -> list[int]:
@@ -141,7 +126,7 @@ async def main_async(args) -> dict:
     for ranks in (1, 2):
         srv = start(model, ranks, args, logdir)
         try:
-            await ready(srv)
+            await wait_ready(srv)
             log(f"{srv['name']}: ready")
             results[srv["name"]] = await measure(srv, args)
             log(f"{srv['name']}: {results[srv['name']]['decode_tps']:.1f} tok/s")
