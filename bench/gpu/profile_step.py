@@ -140,11 +140,13 @@ def run_sched(model, vocab, tokens, plen, tok_dir):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shape", required=True, choices=sorted(SHAPES) + ["tiny"], help="tiny: a 2-layer model for a smoke test")
+    ap.add_argument("--shape", required=True, choices=sorted(SHAPES) + ["tiny"],
+                    help="tiny: a 2-layer model for a smoke test")
     ap.add_argument("--tokens", type=int, default=200)
     ap.add_argument("--prompt", type=int, default=100)
     ap.add_argument("--long-prompt", type=int, default=2000)
-    ap.add_argument("--modes", default="stream,plain-1,ours-1,plain-4,ours-4,plain-4r,ours-4r,sched,prefill-plain,prefill-ours")
+    ap.add_argument("--modes", default="stream,plain-1,ours-1,plain-4,ours-4,plain-4r,ours-4r,sched,"
+                                       "prefill-plain,prefill-ours")
     ap.add_argument("--tok", default=str(ROOT / ".gpu" / "tok"))
     ap.add_argument("--repeat", type=int, default=2, help="runs of each mode (the best is kept); the first warms up")
     ap.add_argument("--json-out")

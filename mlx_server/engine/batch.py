@@ -1,6 +1,9 @@
 """The continuous-batching generator the scheduler drives: mlx-lm's `BatchGenerator`, with its
 KV caches told when they need no attention mask.
 
+Measured on an H200 (README, Performance): one stream through this generator decodes as fast as
+mlx-lm's `stream_generate`; through mlx-lm's own generator it was 15-25% slower.
+
 mlx-lm's `BatchKVCache` always hands the model an explicit boolean mask (it allows for rows that
 are left-padded to a common length). MLX's fused attention kernels take no array mask, so with a
 mask every layer of every step runs the unfused attention instead (scale, QK^T matmul, masked
@@ -9,8 +12,10 @@ backend that is most of what made one stream through the batch generator slower 
 `stream_generate`, whose plain `KVCache` passes no mask for a one-token step. When no row of the
 batch is padded (always so for one sequence, and for sequences that started together with prompts
 of one length) the mask allows everything but the future, so `_PadAwareBatchKVCache` gives what a
-`KVCache` gives: no mask for a decode step, `"causal"` for a prefill chunk. Rows' padding is kept
-on the host, so deciding costs no device synchronization.
+`KVCache` gives: no mask for a decode step, `"causal"` for a prefill chunk, and a plain int
+position instead of a per-row offsets array that every layer updated on the device every step.
+Rows' padding is kept on the host, so deciding costs no device synchronization. Padded batches
+(sequences of different lengths decoding together) take mlx-lm's masked path as before.
 
 The generation step itself (mlx-lm's `GenerationBatch`: the next step's forward pass is queued with
 `mx.async_eval` before this step's tokens are read, per-sequence logits processors see every token

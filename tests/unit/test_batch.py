@@ -122,6 +122,11 @@ def test_ragged_batch_with_inserts_removes_and_finishes(model):
     assert set(ours[0]) == {"a", "b", "c", "d", "e"}
 
 
+def row_offsets(c):
+    """mlx-lm's per-row offsets; ours gives an int while every row has the same one."""
+    return c.offset.tolist() if isinstance(c.offset, mx.array) else [c.offset] * len(c.left_padding.tolist())
+
+
 def test_offsets_match_plain_generator_step_by_step(model):
     gens = {"plain": BatchGenerator(model, stop_tokens=[]), "ours": PadAwareBatchGenerator(model, stop_tokens=[])}
     names = {k: {} for k in gens}
@@ -134,9 +139,7 @@ def test_offsets_match_plain_generator_step_by_step(model):
                 script[step](gen, names[k])
             gen.next()
             caches = gen._generation_batch.prompt_cache
-            seen[k] = [(c._idx, c.left_padding.tolist(),
-                        c.offset.tolist() if isinstance(c.offset, mx.array) else [c.offset] * len(c.left_padding.tolist()))
-                       for c in caches]
+            seen[k] = [(c._idx, c.left_padding.tolist(), row_offsets(c)) for c in caches]
         assert seen["ours"] == seen["plain"]
 
 
@@ -153,8 +156,7 @@ def test_padding_is_tracked_on_the_host_as_on_the_device(model):
         for c in gen._generation_batch.prompt_cache:
             assert c._pad == c.left_padding.tolist()
             # mlx-lm's offsets: each row's position, _idx less its left padding.
-            offsets = c.offset.tolist() if isinstance(c.offset, mx.array) else [c.offset] * len(c._pad)
-            assert offsets == [c._idx - p for p in c.left_padding.tolist()]
+            assert row_offsets(c) == [c._idx - p for p in c.left_padding.tolist()]
             if any(c._pad):
                 padded += 1
                 assert isinstance(c.make_mask(1), mx.array)
@@ -222,12 +224,9 @@ def test_cache_operations_match_mlx_lm_batch_cache():
     def kv(b, n):
         return mx.random.normal((b, 2, n, 8)), mx.random.normal((b, 2, n, 8))
 
-    def offsets(c):
-        return c.offset.tolist() if isinstance(c.offset, mx.array) else [c.offset] * len(c.left_padding.tolist())
-
     def same(a, b):
         assert a._idx == b._idx and a.left_padding.tolist() == b.left_padding.tolist() == b._pad
-        assert offsets(a) == offsets(b)
+        assert row_offsets(a) == row_offsets(b)
         if a.keys is not None:
             assert mx.array_equal(a.keys[..., : a._idx, :], b.keys[..., : b._idx, :]).item()
 
