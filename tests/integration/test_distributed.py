@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -378,6 +379,8 @@ def _netns_available() -> str | None:
     """None when this machine lets us make a network namespace and a veth pair, else why not."""
     if os.geteuid() != 0:
         return "needs root for ip netns"
+    if shutil.which("ip") is None:
+        return "the ip command (iproute2) is not installed"
     r = subprocess.run(["ip", "netns", "add", NS + "probe"], capture_output=True, text=True)
     if r.returncode != 0:
         return f"ip netns add failed: {r.stderr.strip()}"
