@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import ipaddress
 import math
 import os
@@ -37,6 +38,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-media-size", type=_size, default=20 << 20, help="largest image or video file a request may name, e.g. 20M (default 20M)")
     p.add_argument("--reasoning-format", choices=["deepseek", "reasoning_content", "reasoning", "none"], default="deepseek", help="where <think> reasoning goes: deepseek (alias reasoning_content) = message.reasoning_content, reasoning = message.reasoning, none = left inline in the content (default deepseek)")
     p.add_argument("--dequantize", choices=["auto", "on", "off"], default="auto", help="dequantize quantized weights to float32 (auto: on CPUs when it fits in a quarter of RAM; faster there)")
+    p.add_argument("--fuse-projections", choices=["auto", "on", "off"], default="auto", help="join each layer's q/k/v and gate/up projections into one matmul each (llama, mistral, qwen2, qwen3; auto: on GPUs; never with --parallel tensor)")
     p.add_argument("--no-openblas", dest="openblas", action="store_false", help="do not load the system OpenBLAS in place of the mlx-cpu wheel's reference BLAS (Linux)")
     p.add_argument("--parallel", choices=["pipeline", "tensor"], default=None, help="one model across the ranks started by mlx.launch: pipeline = each rank holds a run of layers, tensor = each rank holds a slice of every layer; rank 0 serves HTTP (README: Several machines)")
     p.add_argument("--peer-timeout", type=float, default=60.0, help="with --parallel: seconds one step may wait for the other ranks before the group gives up and exits (default 60)")
@@ -70,7 +72,7 @@ def main(argv: list[str] | None = None) -> None:
         say(f"Context size: {args.ctx_size}")
         path = resolve_model_path(model_arg)
         say(f"Loading model from: {path}")
-        loaded = load_model(path, dequantize=args.dequantize, group=group, parallel=args.parallel)
+        loaded = load_model(path, dequantize=args.dequantize, group=group, parallel=args.parallel, fuse=args.fuse_projections)
         if group is not None:
             _check_same_setup(group, path, args)
     except ModelError as e:
@@ -117,11 +119,18 @@ def _join_group(args):
     from mlx_server.engine.distributed import init_group
     from mlx_server.log import set_rank
 
+    # The ring backend waits for every rank without a time limit, holding the interpreter: a rank
+    # that never starts (a wrong path on another host) must end this one, not hang it. faulthandler's
+    # timer runs outside the interpreter.
+    logger.info("joining the distributed group: waiting up to %.0f s for every rank (--peer-timeout)", args.peer_timeout)
+    faulthandler.dump_traceback_later(args.peer_timeout, exit=True, file=sys.stderr)
     try:
         group = init_group(args.parallel)
     except Exception as e:
         fatal(f"Error: could not join the distributed group: {e}")
         sys.exit(1)
+    finally:
+        faulthandler.cancel_dump_traceback_later()
     if group is not None and group.rank() != 0:
         set_rank(group.rank())
     if group is not None:

@@ -364,6 +364,21 @@ def test_mismatched_files_on_a_rank_are_a_startup_error(sharded_dir, tmp_path):
                 p.kill()
 
 
+def test_a_rank_that_never_comes_is_a_startup_error_not_a_hang(sharded_dir, tmp_path):
+    # Rank 0 alone, told of a rank 1 that never starts: it gives up after --peer-timeout.
+    port, ring = free_ports()
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{ring}"], [f"127.0.0.1:{ring + 1}"]]))
+    proc = subprocess.run(
+        [sys.executable, "-m", "mlx_server", "--model", str(sharded_dir), "--parallel", "pipeline",
+         "--port", str(port), "--peer-timeout", "3"],
+        env={**os.environ, "MLX_RANK": "0", "MLX_HOSTFILE": str(hostfile)}, capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode != 0
+    assert "waiting up to 3 s for every rank" in proc.stdout
+    assert READY not in proc.stdout
+
+
 def free_ports() -> tuple[int, int]:
     from tests.conftest import free_port
 
