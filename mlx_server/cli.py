@@ -41,7 +41,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fuse-projections", choices=["auto", "on", "off"], default="auto", help="join each layer's q/k/v and gate/up projections into one matmul each (llama, mistral, qwen2, qwen3; auto: on GPUs; never with --parallel tensor)")
     p.add_argument("--no-openblas", dest="openblas", action="store_false", help="do not load the system OpenBLAS in place of the mlx-cpu wheel's reference BLAS (Linux)")
     p.add_argument("--parallel", choices=["pipeline", "tensor"], default=None, help="one model across the ranks started by mlx.launch: pipeline = each rank holds a run of layers, tensor = each rank holds a slice of every layer; rank 0 serves HTTP (README: Several machines)")
-    p.add_argument("--peer-timeout", type=float, default=60.0, help="with --parallel: seconds one step may wait for the other ranks before the group gives up and exits (default 60)")
+    p.add_argument("--peer-timeout", type=float, default=300.0, help="with --parallel: seconds the ranks may take to connect, and one scheduler step (a whole prompt's prefill) may wait for the other ranks, before the group gives up and exits (default 300)")
     p.add_argument("--version", action="version", version=f"mlx-server {__version__}")
     args = p.parse_args(argv)
     if not 0 < args.port < 65536:
@@ -161,7 +161,7 @@ def _check_same_setup(group, path, args) -> None:
         )
 
 
-def serve(loaded, settings: Settings, group=None, peer_timeout: float = 60.0) -> None:
+def serve(loaded, settings: Settings, group=None, peer_timeout: float = 300.0) -> None:
     from mlx_server.api.app import create_app
     from mlx_server.engine.memory import apply_mlx_limits, format_bytes, plan_memory
     from mlx_server.engine.scheduler import Engine
