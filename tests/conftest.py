@@ -154,6 +154,16 @@ def qwen3_model_dir(qwen3_tokenizer_dir) -> Path:
 
 
 @pytest.fixture(scope="session")
+def qwen3_thinker_dir(qwen3_tokenizer_dir) -> Path:
+    """The tiny Qwen3 wired to think forever: greedy writes `<think>HmmHmmHmm...` (tests/tiny_qwen3.py)."""
+    import tiny_qwen3
+
+    wiring = tiny_qwen3.THINKER_WIRING
+    out = CACHE / "models" / f"qwen3-thinker-{tiny_qwen3.version(wiring)}"
+    return tiny_qwen3.build_model(qwen3_tokenizer_dir, out, wiring)
+
+
+@pytest.fixture(scope="session")
 def qwen3_server(qwen3_model_dir):
     server = ServerProcess("--model", str(qwen3_model_dir), "--ctx-size", "2048", "--model-id", "qwen3-tiny")
     try:

@@ -32,6 +32,17 @@ WIRING = [
     ("</tool_call>", "\n", 19.5),  # call again about 4 times in 10
 ]
 
+# A variant that never stops thinking: `<think>HmmHmmHmm...` until something closes the block, then
+# `</think>\n\nHello` (the thinking budget's tests).
+THINKER_WIRING = [
+    ("\n", "<think>", 20.0),
+    ("<think>", "Hmm", 20.0),
+    ("Hmm", "Hmm", 20.0),
+    ("</think>", "\n\n", 20.0),
+    ("\n\n", "Hello", 20.0),
+    ("Hello", "<|im_end|>", 20.0),
+]
+
 CONFIG = {
     "model_type": "qwen3",
     "architectures": ["Qwen3ForCausalLM"],
@@ -66,7 +77,7 @@ def fetch_tokenizer(cache: Path) -> Path:
     return out
 
 
-def build_model(tokenizer_dir: Path, out: Path) -> Path:
+def build_model(tokenizer_dir: Path, out: Path, wiring: list = WIRING) -> Path:
     """An MLX model directory: the tokenizer files plus wired random weights (about 80 MB)."""
     if (out / "model.safetensors").exists():
         return out
@@ -89,15 +100,15 @@ def build_model(tokenizer_dir: Path, out: Path) -> Path:
         layer.mlp.down_proj.weight = mx.zeros_like(layer.mlp.down_proj.weight)
     # The wired previous tokens get orthonormal embeddings, and the wired next tokens output
     # rows made of the wiring alone, so each wired logit is exactly the one above.
-    sources = sorted({token_id(prev) for prev, _, _ in WIRING})
-    targets = sorted({token_id(nxt) for _, nxt, _ in WIRING})
+    sources = sorted({token_id(prev) for prev, _, _ in wiring})
+    targets = sorted({token_id(nxt) for _, nxt, _ in wiring})
     embed = model.model.embed_tokens.weight
     basis, _ = mx.linalg.qr(embed[mx.array(sources)].T, stream=mx.cpu)
     embed[mx.array(sources)] = basis.T
     head = model.lm_head.weight
     head[mx.array(targets)] = 0
     scale = CONFIG["hidden_size"] ** 0.5  # the final RMSNorm scales every hidden state to this length
-    for prev, nxt, logit in WIRING:
+    for prev, nxt, logit in wiring:
         row = token_id(nxt)
         head[row] = head[row] + (logit / scale) * basis[:, sources.index(token_id(prev))]
     model.model.embed_tokens.weight = embed
@@ -115,8 +126,8 @@ def build_model(tokenizer_dir: Path, out: Path) -> Path:
     return out
 
 
-def version() -> str:
+def version(wiring: list = WIRING) -> str:
     """Changes with the wiring or the shape, so a cached model built from older ones is not reused."""
     import hashlib
 
-    return hashlib.sha256(json.dumps([PACKAGE, WIRING, CONFIG]).encode()).hexdigest()[:10]
+    return hashlib.sha256(json.dumps([PACKAGE, wiring, CONFIG]).encode()).hexdigest()[:10]

@@ -85,7 +85,7 @@ def prompt_tokens(chat: ChatServing, req: ChatCompletionRequest) -> list[int]:
     """A chat request's prompt tokens, as build_request renders them, without the context-window check."""
     limits.check_chat_request(req)
     messages = [chat.template_message(i, m) for i, m in enumerate(req.messages)]
-    return chat.encode_messages(messages, req.tools, chat.template_kwargs(req))[1]
+    return chat.encode_messages(messages, req)[1]
 
 
 def tool_call(call_id: str, name: str, arguments) -> dict:

@@ -16,6 +16,7 @@ import llguidance
 from mlx_server.api.errors import APIError
 from mlx_server.config import Settings
 from mlx_server.engine import guidance
+from mlx_server.engine.request import ThinkingBudget
 from mlx_server.log import logger
 from mlx_server.text.chat_output import OutputConfig
 from mlx_server.text.grammar import JSON_STYLE, OutputShape, can_constrain_tools, closed, output_grammar
@@ -33,6 +34,7 @@ class OutputRequest:
     json_schema: dict | None = None  # the answer must be one JSON value of this schema
     tools_param: str = "tools"  # the field that errors about the tools name
     schema_param: str = "response_format"
+    prefill: str = ""  # the assistant's text the output continues (the prompt ends with it)
 
 
 @dataclass
@@ -59,7 +61,7 @@ class OutputPlanner:
 
     def plan(self, prompt_text: str, want: OutputRequest) -> OutputPlan:
         """Raises a 400 APIError when a schema uses something constrained decoding cannot enforce."""
-        inside = bool(self.think) and prompt_text.rstrip().endswith(self.think[0])
+        inside = self.starts_in_reasoning(prompt_text, want.prefill)
         config = OutputConfig(starts_in_reasoning=inside, reasoning_markers=self.think if self.split_reasoning else None)
         fmt = self.tool_format
         tools = want.tools or []
@@ -96,6 +98,25 @@ class OutputPlanner:
         if grammar is not None and (error := guidance.grammar_error(self.tokenizer, grammar)):
             raise APIError(400, f"constrained decoding cannot enforce this request: {error}", param=want.tools_param)
         return OutputPlan(config, grammar, banned)
+
+    def starts_in_reasoning(self, prompt_text: str, prefill: str = "") -> bool:
+        """Whether the output starts inside a reasoning block: the prompt ends with the start marker
+        (a template that opens it), or a prefill the output continues left one open."""
+        if not self.think:
+            return False
+        start, end = self.think
+        opened, closed = prefill.rfind(start), prefill.rfind(end)
+        if opened != closed:  # only equal (-1) when the prefill has neither marker
+            return opened > closed
+        head = prompt_text[: len(prompt_text) - len(prefill)] if prefill and prompt_text.endswith(prefill) else prompt_text
+        return head.rstrip().endswith(start)
+
+    def thinking_budget(self, tokens: int, starts_inside: bool) -> ThinkingBudget | None:
+        """The engine's budget for `tokens` tokens of reasoning; None for a model without reasoning markers."""
+        if not self.think:
+            return None
+        start, end = (self.tokenizer.encode(marker, add_special_tokens=False) for marker in self.think)
+        return ThinkingBudget(tokens, start, end, starts_inside)
 
     def _check_schema(self, schema: dict, param: str) -> None:
         grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_STYLE)

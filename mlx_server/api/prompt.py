@@ -32,19 +32,34 @@ class ChatPrompt:
         text = dumps([c["function"] for c in calls])
         return {**message, "content": (content + "\n" if content else "") + text}
 
-    def render(self, messages: list[dict], tools: list | None = None, template_kwargs: dict | None = None) -> str:
-        """The prompt text, ending where the assistant's answer starts; template errors are 400s."""
+    def render(self, messages: list[dict], tools: list | None = None, template_kwargs: dict | None = None,
+               continue_final: bool = False, generation_prompt: bool = True) -> str:
+        """The prompt text, ending where the assistant's answer starts; template errors are 400s.
+
+        `continue_final`: the last message is an assistant's text to continue (a prefill), so the prompt
+        ends inside it (transformers' `continue_final_message`: the template renders the message,
+        which is cut after its text). `generation_prompt` False: no assistant header after the last turn.
+        """
         if not self.template_source and not self.tokenizer.has_chat_template:
-            return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
+            text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+            if continue_final:
+                return text[: -len("\n")]
+            return text + ("assistant: " if generation_prompt else "")
         kwargs = dict(template_kwargs or {})
         if self.settings.chat_template:  # --chat-template
             kwargs["chat_template"] = self.settings.chat_template
         try:
             return self.tokenizer.apply_chat_template(
-                messages, tools=tools or None, add_generation_prompt=True, tokenize=False, **kwargs
+                messages, tools=tools or None, add_generation_prompt=generation_prompt and not continue_final,
+                continue_final_message=continue_final, tokenize=False, **kwargs
             )
         except jinja2.TemplateError as e:
             raise APIError(400, f"the model's chat template rejected these messages: {e}", param="messages")
+        except ValueError as e:
+            if continue_final and "continue_final_message" in str(e):
+                raise APIError(400, "the model's chat template does not render the final assistant message as it was "
+                                    "sent, so it cannot be continued", param="messages")
+            raise APIError(400, f"could not render the chat template for these messages: {e}", param="messages")
         except Exception as e:  # the template is fixed, so only the messages can have made it fail
             raise APIError(400, f"could not render the chat template for these messages: {e}", param="messages")
 

@@ -170,7 +170,7 @@ class StepChannel:
     network that drops packets without closing the connection).
     """
 
-    def __init__(self, group, timeout: float = 60.0):
+    def __init__(self, group, timeout: float = 300.0):
         self.group = group
         self.rank = group.rank()
         self.timeout = timeout
@@ -251,15 +251,19 @@ def request_to_wire(request) -> dict:
         "stop": list(request.stop),
         "grammar": request.grammar,
         "logprobs": request.logprobs,
+        "continues_text": request.continues_text,
     }
 
 
 def request_from_wire(d: dict):
-    from mlx_server.engine.request import GenerationRequest, SamplingParams
+    from mlx_server.engine.request import GenerationRequest, SamplingParams, ThinkingBudget
 
     sampling = dict(d["sampling"])
     sampling["logit_bias"] = {int(k): float(v) for k, v in sampling["logit_bias"]}
+    if sampling["thinking_budget"] is not None:
+        sampling["thinking_budget"] = ThinkingBudget(**sampling["thinking_budget"])
     return GenerationRequest(
         id=d["id"], prompt_tokens=list(d["prompt_tokens"]), max_tokens=int(d["max_tokens"]),
         sampling=SamplingParams(**sampling), stop=list(d["stop"]), grammar=d["grammar"], logprobs=d["logprobs"],
+        continues_text=d["continues_text"],
     )

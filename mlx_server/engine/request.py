@@ -8,6 +8,17 @@ from mlx_server.text.chat_output import OutputConfig
 
 
 @dataclass
+class ThinkingBudget:
+    """Reasoning may go on for at most `tokens` generated tokens; then its end marker is forced
+    (engine/sampling.py's ReasoningBudget). The markers are token ids."""
+
+    tokens: int
+    start: list[int]
+    end: list[int]
+    starts_inside: bool = False  # the prompt opened the reasoning block (the output starts in it)
+
+
+@dataclass
 class SamplingParams:
     temperature: float = 0.7
     top_p: float = 1.0
@@ -19,6 +30,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] = field(default_factory=dict)
     seed: int | None = None
+    thinking_budget: ThinkingBudget | None = None
 
 
 @dataclass
@@ -32,6 +44,9 @@ class GenerationRequest:
     logprobs: int | None = None  # None: off; n: each token's logprob and its n most likely alternatives
     # How the protocol reads the generated text (ChatOutput(request.output)); the engine ignores it.
     output: OutputConfig = field(default_factory=OutputConfig)
+    # The prompt ends inside a text the output continues (an assistant prefill, a raw completion):
+    # the first token's leading space is kept (mlx-lm's detokenizers drop it at the start of a text).
+    continues_text: bool = False
     # An image prompt (engine/vision.py's VisionInput): pixels, and where their features go in prompt_tokens.
     vision: object | None = None
 

@@ -13,7 +13,7 @@ from mlx_lm.sample_utils import (
 )
 
 from mlx_server.engine.guidance import token_bytes
-from mlx_server.engine.request import SamplingParams, TokenLogprob
+from mlx_server.engine.request import SamplingParams, ThinkingBudget, TokenLogprob
 
 Sampler = Callable[[mx.array], mx.array]
 # MLX slices take 32-bit indices; a penalty window past any context means the whole context.
@@ -56,9 +56,9 @@ def make_sampler(p: SamplingParams) -> Sampler:
 
 
 def make_processors(p: SamplingParams) -> list:
-    """Logit bias and repetition/presence/frequency penalties; none when all are neutral."""
+    """Logit bias, repetition/presence/frequency penalties, then the thinking budget; none when all are neutral."""
     window = min(p.repetition_context_size, MAX_WINDOW)
-    return make_logits_processors(
+    processors = make_logits_processors(
         logit_bias=p.logit_bias or None,
         repetition_penalty=p.repetition_penalty if p.repetition_penalty != 1.0 else None,
         repetition_context_size=window,
@@ -67,6 +67,59 @@ def make_processors(p: SamplingParams) -> list:
         frequency_penalty=p.frequency_penalty or None,
         frequency_context_size=window,
     )
+    if p.thinking_budget is not None:
+        processors.append(ReasoningBudget(p.thinking_budget))
+    return processors
+
+
+class ReasoningBudget:
+    """An mlx-lm logits processor `(tokens, logits) -> logits` that ends reasoning once it has used its
+    budget: when `budget.tokens` tokens were generated inside the block, the end marker's tokens are
+    forced, one per step, and the model goes on with its answer.
+
+    The markers are recognised in the generated tokens; they do not count against the budget. A
+    model that closes its reasoning in time, or never opens it, is left alone.
+    """
+
+    def __init__(self, budget: ThinkingBudget):
+        self.budget = budget
+        self.inside = budget.starts_inside
+        self.closed = False
+        self.used = 0  # tokens generated inside the reasoning block
+        self._steps = 0
+        self._recent: list[int] = []  # the last few generated tokens, enough to hold a marker
+
+    def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        self._steps += 1
+        if self.closed:
+            return logits
+        if self._steps > 1:  # `tokens` ends with the previous step's token (at the first step, the prompt's)
+            mx.async_eval(logits)  # this step's forward pass runs while the token is read
+            self._see(tokens[-1].item())
+        if self.closed or not self.inside or self.used < self.budget.tokens:
+            return logits
+        forced = self.budget.end[_partial_match(self._recent, self.budget.end)]
+        only = mx.arange(logits.shape[-1]) == forced
+        return mx.where(only, mx.zeros_like(logits), mx.array(-mx.inf, dtype=logits.dtype))
+
+    def _see(self, token: int) -> None:
+        start, end = self.budget.start, self.budget.end
+        self._recent = (self._recent + [token])[-max(len(start), len(end)):]
+        if not self.inside:
+            if self._recent[-len(start):] == start:
+                self.inside, self._recent = True, []
+        elif self._recent[-len(end):] == end:
+            self.closed = True
+        else:
+            self.used += 1
+
+
+def _partial_match(recent: list[int], marker: list[int]) -> int:
+    """How many of `marker`'s first tokens `recent` already ends with (fewer than all of them)."""
+    for k in range(min(len(recent), len(marker) - 1), 0, -1):
+        if recent[-k:] == marker[:k]:
+            return k
+    return 0
 
 
 def token_logprob(tokenizer, logprobs: mx.array, token: int, n_top: int) -> TokenLogprob:

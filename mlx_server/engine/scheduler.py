@@ -156,10 +156,8 @@ class Engine:
         if self.failed:
             raise EngineUnavailable(self.failed)
         loop = asyncio.get_running_loop()
-        detokenizer = copy.copy(self.tokenizer.detokenizer)
-        detokenizer.reset()
         self._fit_to_kv_budget(request)
-        seq = _Sequence(request, loop, asyncio.Queue(), detokenizer, StopMatcher(request.stop))
+        seq = _Sequence(request, loop, asyncio.Queue(), _detokenizer(self.tokenizer, request), StopMatcher(request.stop))
         with self._live_lock:
             if self.failed:
                 raise EngineUnavailable(self.failed)
@@ -287,9 +285,7 @@ class Engine:
         return added, cancel, stop
 
     def _follower_sequence(self, request: GenerationRequest) -> _Sequence:
-        detokenizer = copy.copy(self.tokenizer.detokenizer)
-        detokenizer.reset()
-        return _Sequence(request, None, None, detokenizer, StopMatcher(request.stop))
+        return _Sequence(request, None, None, _detokenizer(self.tokenizer, request), StopMatcher(request.stop))
 
     def follow(self) -> int:
         """Run as a follower rank on this thread until rank 0 stops the group; the exit status."""
@@ -512,6 +508,17 @@ def _take_logprobs(seq: _Sequence) -> list[TokenLogprob] | None:
         return None
     out, seq.logprobs = seq.logprobs, []
     return out
+
+
+def _detokenizer(tokenizer, request: GenerationRequest):
+    """A fresh detokenizer for one sequence. mlx-lm's drop the first token's leading space (a word
+    boundary at the start of a text); a continuation keeps it: `is` + ` Paris`, not `isParis`."""
+    detokenizer = copy.copy(tokenizer.detokenizer)
+    detokenizer.reset()
+    if request.continues_text:
+        detokenizer.trim_space = False  # SPMStreamingDetokenizer
+        detokenizer._maybe_trim_space = lambda text: text  # BPEStreamingDetokenizer
+    return detokenizer
 
 
 def _isolated(seq: _Sequence, fn, fallback):

@@ -127,3 +127,114 @@ def test_wrong_key_is_an_anthropic_401(keyed_server):
     assert e.value.body == {"type": "error", "error": {"type": "authentication_error", "message": "Unauthorized"}}
     r = httpx.post(keyed_server.url + "/v1/messages/count_tokens", json={})
     assert r.status_code == 401 and r.json()["type"] == "error"
+
+
+# ---- assistant prefill: a final assistant message is continued ----
+
+PREFILL = "Hello! My name is"
+SMOLLM_PROMPT = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+                 "<|im_start|>user\nSay hello.<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_a_final_assistant_message_is_continued_and_not_repeated(sdk, client):
+    """The answer is what the model writes after the prefill, exactly as a raw completion of the
+    prompt that ends inside the assistant's message: the prefill itself is not in it."""
+    messages = HELLO + [{"role": "assistant", "content": PREFILL}]
+    message = sdk.messages.create(model="tiny", max_tokens=12, messages=messages, **GREEDY)
+    raw = client.post("/v1/completions", json={"model": "m", "prompt": SMOLLM_PROMPT + PREFILL, "max_tokens": 12,
+                                                "temperature": 0}).json()["choices"][0]["text"]
+    assert [b.type for b in message.content] == ["text"]
+    assert message.content[0].text == raw
+    assert not raw.startswith(PREFILL)
+    assert message.usage.output_tokens == 12
+    with sdk.messages.stream(model="tiny", max_tokens=12, messages=messages, **GREEDY) as stream:
+        assert "".join(stream.text_stream) == raw
+    counted = sdk.messages.count_tokens(model="tiny", messages=messages).input_tokens
+    assert counted == message.usage.input_tokens + message.usage.cache_read_input_tokens
+
+
+def test_openai_chat_continues_the_final_message_with_continue_final_message(client, sdk):
+    messages = HELLO + [{"role": "assistant", "content": PREFILL}]
+    body = {"model": "m", "messages": messages, "max_tokens": 12, "temperature": 0,
+            "continue_final_message": True, "add_generation_prompt": False}
+    chat = client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"]
+    assert chat == sdk.messages.create(model="tiny", max_tokens=12, messages=messages, **GREEDY).content[0].text
+    body["add_generation_prompt"] = True
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "add_generation_prompt"
+
+
+def test_a_stop_sequence_inside_the_prefill_does_not_end_the_answer(sdk):
+    """Stop sequences are looked for in what the model writes, not in the prefill."""
+    messages = HELLO + [{"role": "assistant", "content": PREFILL}]
+    plain = sdk.messages.create(model="tiny", max_tokens=8, messages=messages, **GREEDY)
+    stopped = sdk.messages.create(model="tiny", max_tokens=8, messages=messages, stop_sequences=["name"], **GREEDY)
+    assert "name" not in plain.content[0].text
+    assert stopped.content[0].text == plain.content[0].text and stopped.stop_reason == "max_tokens"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_prefill_ending_in_whitespace_is_an_anthropic_400(sdk, stream):
+    messages = HELLO + [{"role": "assistant", "content": [{"type": "text", "text": "Hello "}]}]
+    with pytest.raises(anthropic.BadRequestError) as e:
+        sdk.messages.create(model="tiny", max_tokens=5, messages=messages, stream=stream)
+    assert e.value.body == {"type": "error", "error": {
+        "type": "invalid_request_error", "message": "messages: final assistant content cannot end with trailing whitespace"}}
+
+
+def test_a_prefill_that_opens_think_makes_the_answer_start_in_reasoning(qwen3_server):
+    """The tiny Qwen3 writes `</think>\\n\\nHello` after `Okay`: the close ends the prefill's reasoning."""
+    sdk = anthropic.Anthropic(base_url=qwen3_server.url, api_key="unused", max_retries=0)
+    messages = HELLO + [{"role": "assistant", "content": "<think>\nOkay"}]
+    message = sdk.messages.create(model="q", max_tokens=20, messages=messages, **GREEDY)
+    assert [(b.type, b.text) for b in message.content] == [("text", "Hello")]
+
+
+def test_a_prefill_before_a_required_tool_call_still_gives_a_parsed_call(qwen3_server):
+    sdk = anthropic.Anthropic(base_url=qwen3_server.url, api_key="unused", max_retries=0)
+    messages = [{"role": "user", "content": "Weather in Paris?"}, {"role": "assistant", "content": "Let me check."}]
+    message = sdk.messages.create(model="q", max_tokens=80, messages=messages, tools=[WEATHER_TOOL],
+                                  tool_choice={"type": "any"}, **GREEDY)
+    assert [b.name for b in message.content if b.type == "tool_use"] == ["get_weather"]
+    assert all("<tool_call>" not in b.text for b in message.content if b.type == "text")
+
+
+# ---- thinking.budget_tokens ----
+
+@pytest.fixture(scope="module")
+def thinker(qwen3_thinker_dir):
+    """A tiny Qwen3 that never stops thinking by itself: `<think>HmmHmmHmm...`, and `\\n\\nHello` after `</think>`."""
+    server = ServerProcess("--model", str(qwen3_thinker_dir), "--ctx-size", "1024", "--model-id", "thinker").wait_ready()
+    yield anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+    server.stop()
+
+
+@pytest.mark.parametrize("budget", [1, 4])
+def test_thinking_budget_closes_the_reasoning_and_the_answer_follows(thinker, budget):
+    thinking = {"type": "enabled", "budget_tokens": budget}
+    message = thinker.messages.create(model="t", max_tokens=40, messages=HELLO, thinking=thinking, **GREEDY)
+    assert [b.type for b in message.content] == ["thinking", "text"]
+    assert message.content[0].thinking == "Hmm" * budget and message.content[1].text == "Hello"
+    assert message.stop_reason == "end_turn"
+    assert message.usage.output_tokens == budget + 5  # <think>, Hmm..., </think>, \n\n, Hello, <|im_end|>
+    with thinker.messages.stream(model="t", max_tokens=40, messages=HELLO, thinking=thinking, **GREEDY) as stream:
+        final = stream.get_final_message()
+    assert [b.model_dump() for b in final.content] == [b.model_dump() for b in message.content]
+
+
+def test_without_a_budget_the_model_thinks_until_max_tokens(thinker):
+    message = thinker.messages.create(model="t", max_tokens=30, messages=HELLO, thinking={"type": "adaptive"}, **GREEDY)
+    assert [b.type for b in message.content] == ["thinking"] and message.stop_reason == "max_tokens"
+
+
+def test_thinking_budget_counts_from_a_prefill_that_opened_the_reasoning(thinker):
+    messages = HELLO + [{"role": "assistant", "content": "<think>\nHmm"}]
+    message = thinker.messages.create(model="t", max_tokens=40, messages=messages,
+                                      thinking={"type": "enabled", "budget_tokens": 3}, **GREEDY)
+    assert [(b.type, getattr(b, "thinking", None) or b.text) for b in message.content] == [("thinking", "HmmHmmHmm"), ("text", "Hello")]
+
+
+def test_budget_tokens_not_below_max_tokens_is_an_anthropic_400(thinker):
+    with pytest.raises(anthropic.BadRequestError) as e:
+        thinker.messages.create(model="t", max_tokens=10, messages=HELLO, thinking={"type": "enabled", "budget_tokens": 10})
+    assert e.value.body["type"] == "error" and "`max_tokens` must be greater than `thinking.budget_tokens`" in e.value.body["error"]["message"]

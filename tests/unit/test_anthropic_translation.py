@@ -202,7 +202,7 @@ def test_tool_result_error_is_marked_as_an_error(plain):
 def test_thinking_param_sets_the_templates_enable_thinking(plain):
     for kind, expected in [("enabled", True), ("adaptive", True), ("disabled", False)]:
         thinking = {"type": kind, "budget_tokens": 1024} if kind == "enabled" else {"type": kind}
-        req = MessagesRequest.model_validate({"model": "m", "max_tokens": 5, "thinking": thinking,
+        req = MessagesRequest.model_validate({"model": "m", "max_tokens": 2048, "thinking": thinking,
                                               "messages": [{"role": "user", "content": "hi"}]})
         _, fields = plain.translate(req)
         assert fields["chat_template_kwargs"] == {"enable_thinking": expected}
@@ -256,3 +256,65 @@ def test_a_generation_error_mid_stream_is_an_error_event_the_sdk_raises():
     with pytest.raises(anthropic.APIStatusError, match="boom"):
         with client.messages.stream(model="m", max_tokens=10, messages=[{"role": "user", "content": "hi"}]) as stream:
             stream.get_final_message()
+
+
+def messages_request(messages: list[dict], **body) -> MessagesRequest:
+    return MessagesRequest.model_validate({"model": "m", "max_tokens": 20, "messages": messages, **body})
+
+
+ASK = {"role": "user", "content": "Capital of France?"}
+
+
+@pytest.mark.parametrize("prefill", ["The capital is", [{"type": "text", "text": "The capital"}, {"type": "text", "text": " is"}]])
+def test_a_final_assistant_message_is_continued(plain, prefill):
+    req = messages_request([ASK, {"role": "assistant", "content": prefill}])
+    assert rendered(plain, req).endswith("<|im_start|>user\nCapital of France?<|im_end|>\n<|im_start|>assistant\nThe capital is")
+    assert plain.build_request(req, "msg_x").continues_text
+    assert plain.count_tokens(req)["input_tokens"] == len(plain.build_request(req, "msg_x").prompt_tokens)
+
+
+def test_an_empty_final_assistant_message_is_an_ordinary_answer(plain):
+    expected = rendered(plain, messages_request([ASK]))
+    for empty in ("", []):
+        req = messages_request([ASK, {"role": "assistant", "content": empty}])
+        assert rendered(plain, req) == expected
+        assert not plain.build_request(req, "msg_x").continues_text
+
+
+@pytest.mark.parametrize("prefill", ["The capital is ", "Line\n", "   ", [{"type": "text", "text": "a\t"}]])
+def test_a_prefill_ending_in_whitespace_is_rejected_as_anthropic_does(plain, prefill):
+    with pytest.raises(APIError) as e:
+        plain.build_request(messages_request([ASK, {"role": "assistant", "content": prefill}]), "msg_x")
+    assert e.value.status == 400
+    assert e.value.message == "messages: final assistant content cannot end with trailing whitespace"
+    assert e.value.param == "messages[1].content"
+
+
+def test_a_final_assistant_tool_use_cannot_be_continued(plain):
+    final = {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "f", "input": {}}]}
+    with pytest.raises(APIError) as e:
+        plain.build_request(messages_request([ASK, final]), "msg_x")
+    assert e.value.status == 400 and e.value.param == "messages[1]"
+
+
+def test_thinking_budget_goes_to_the_engine_with_the_models_markers(qwen3_tokenizer_dir, plain):
+    qwen3 = serving(qwen3_tokenizer_dir)
+    thinking = {"type": "enabled", "budget_tokens": 7}
+    budget = qwen3.build_request(messages_request([ASK], thinking=thinking), "msg_x").sampling.thinking_budget
+    assert (budget.tokens, budget.start, budget.end, budget.starts_inside) == (7, [151667], [151668], False)
+    opened = messages_request([ASK, {"role": "assistant", "content": "<think>\nHmm"}], thinking=thinking)
+    assert qwen3.build_request(opened, "msg_x").sampling.thinking_budget.starts_inside
+    for other in ({"type": "adaptive"}, {"type": "disabled"}, None):
+        assert qwen3.build_request(messages_request([ASK], thinking=other), "msg_x").sampling.thinking_budget is None
+    # SmolLM2 has no reasoning markers: the budget has nothing to limit.
+    assert plain.build_request(messages_request([ASK], thinking=thinking), "msg_x").sampling.thinking_budget is None
+
+
+@pytest.mark.parametrize("budget, ok", [(19, True), (20, False), (21, False)])
+def test_budget_tokens_must_be_below_max_tokens(budget, ok):
+    body = {"model": "m", "max_tokens": 20, "messages": [ASK], "thinking": {"type": "enabled", "budget_tokens": budget}}
+    if ok:
+        MessagesRequest.model_validate(body)
+    else:
+        with pytest.raises(ValueError, match="`max_tokens` must be greater than `thinking.budget_tokens`"):
+            MessagesRequest.model_validate(body)

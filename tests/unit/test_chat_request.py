@@ -121,3 +121,51 @@ def test_json_object_response_format_constrains_to_an_object(chat):
     request = build(chat, messages=[ASK], response_format={"type": "json_object"})
     assert '%json {"type": "object"' in request.grammar
     assert json.loads(request.grammar.split("%json ", 1)[1].split("\n")[0])["type"] == "object"
+
+
+PREFILLED = [ASK, {"role": "assistant", "content": "The weather in Paris is"}]
+
+
+def test_continue_final_message_ends_the_prompt_inside_the_assistant_message(chat):
+    request = build(chat, messages=PREFILLED, continue_final_message=True, add_generation_prompt=False)
+    text = chat.prompt.tokenizer.decode(request.prompt_tokens)
+    assert text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\nThe weather in Paris is")
+    assert request.continues_text and not request.output.starts_in_reasoning
+    assert build(chat, messages=PREFILLED, continue_final_message=True).prompt_tokens == request.prompt_tokens
+    assert not build(chat, messages=PREFILLED).continues_text
+    assert prompt_text(chat, messages=PREFILLED).endswith("The weather in Paris is<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_a_prefill_that_opens_think_starts_the_output_in_reasoning(chat):
+    def inside(prefill: str) -> bool:
+        messages = [ASK, {"role": "assistant", "content": prefill}]
+        return build(chat, messages=messages, continue_final_message=True).output.starts_in_reasoning
+
+    assert inside("<think>\nLet me")
+    assert not inside("<think>\nDone.\n</think>\n\nIt is")
+    assert not inside("It is")
+
+
+def test_a_template_that_opens_think_before_the_prefill_starts_it_in_reasoning(qwen3_tokenizer):
+    opened = serving(qwen3_tokenizer, chat_template="{% for m in messages %}{% if m.role == 'assistant' %}<think>\n{% endif %}{{ m.content }}{% endfor %}")
+    messages = [ASK, {"role": "assistant", "content": "Hmm"}]
+    assert build(opened, messages=messages, continue_final_message=True).output.starts_in_reasoning
+    messages[1]["content"] = "Hmm</think>It is"
+    assert not build(opened, messages=messages, continue_final_message=True).output.starts_in_reasoning
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"messages": [ASK], "continue_final_message": True}, "continue_final_message"),
+    ({"messages": PREFILLED, "continue_final_message": True, "add_generation_prompt": True}, "add_generation_prompt"),
+])
+def test_continue_final_message_needs_a_final_assistant_message_and_no_generation_prompt(chat, body, param):
+    with pytest.raises(APIError) as e:
+        build(chat, **body)
+    assert e.value.status == 400 and e.value.param == param
+
+
+def test_a_template_that_does_not_render_the_final_message_cannot_continue_it(qwen3_tokenizer):
+    chat = serving(qwen3_tokenizer, chat_template="{{ messages[0].content }}")
+    with pytest.raises(APIError) as e:
+        build(chat, messages=PREFILLED, continue_final_message=True)
+    assert e.value.status == 400 and "cannot be continued" in e.value.message

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mlx_server.engine.distributed import pipeline_split, request_from_wire, request_to_wire, token_checksum
-from mlx_server.engine.request import GenerationRequest, SamplingParams
+from mlx_server.engine.request import GenerationRequest, SamplingParams, ThinkingBudget
 
 
 @given(st.integers(1, 200), st.integers(1, 16))
@@ -30,13 +30,14 @@ def test_pipeline_split_covers_every_layer_once_in_order(n_layers, size):
 def test_request_survives_the_wire():
     req = GenerationRequest(
         "chatcmpl-1", [1, 2, 3], 17,
-        SamplingParams(temperature=0.5, top_p=0.9, top_k=4, min_p=0.1, repetition_penalty=1.1, logit_bias={5: -3.5, 7: 2.0}, seed=-12),
-        stop=["\n\n", "END"], grammar='start: "a"', logprobs=3,
+        SamplingParams(temperature=0.5, top_p=0.9, top_k=4, min_p=0.1, repetition_penalty=1.1, logit_bias={5: -3.5, 7: 2.0}, seed=-12,
+                       thinking_budget=ThinkingBudget(8, [11], [12, 13], starts_inside=True)),
+        stop=["\n\n", "END"], grammar='start: "a"', logprobs=3, continues_text=True,
     )
     import json
 
     back = request_from_wire(json.loads(json.dumps(request_to_wire(req))))
-    for field in ("id", "prompt_tokens", "max_tokens", "sampling", "stop", "grammar", "logprobs"):
+    for field in ("id", "prompt_tokens", "max_tokens", "sampling", "stop", "grammar", "logprobs", "continues_text"):
         assert getattr(back, field) == getattr(req, field), field
 
 

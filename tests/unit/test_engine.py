@@ -67,3 +67,23 @@ def test_cancel_all_counts_live_generations(engine):
     n, ends = asyncio.run(main())
     assert n == 3
     assert all(e.finish_reason == "stop" for e in ends)
+
+
+def test_a_continuation_keeps_the_leading_space_of_its_first_token(tiny_model_dir):
+    from mlx_lm.utils import load_tokenizer
+
+    from mlx_server.engine.scheduler import _detokenizer
+
+    tokenizer = load_tokenizer(tiny_model_dir)
+    ids = tokenizer.encode(" Paris is", add_special_tokens=False)
+
+    def text(continues_text: bool) -> str:
+        detokenizer = _detokenizer(tokenizer, GenerationRequest("x", [1], 1, continues_text=continues_text))
+        for i in ids:
+            detokenizer.add_token(i)
+        detokenizer.finalize()
+        return detokenizer.text
+
+    assert text(True) == " Paris is"
+    assert text(False) == "Paris is"  # the start of an answer: mlx-lm's word-boundary space is dropped
+    assert tokenizer.detokenizer._maybe_trim_space(" a") == "a"  # the shared detokenizer is untouched

@@ -134,3 +134,9 @@ class MessagesRequest(CountTokensRequest):
     temperature: float | None = Field(None, ge=0, le=1)
     top_p: float | None = Field(None, ge=0, le=1)
     top_k: int | None = Field(None, ge=0)
+
+    @model_validator(mode="after")
+    def _budget_below_max_tokens(self):
+        if self.thinking and self.thinking.type == "enabled" and self.thinking.budget_tokens >= self.max_tokens:
+            raise ValueError("`max_tokens` must be greater than `thinking.budget_tokens`")
+        return self

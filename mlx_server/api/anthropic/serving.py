@@ -3,6 +3,9 @@ GenerationRequest); ChatOutput deltas become content blocks, or SSE events in An
 
 Stream: message_start, ping, then per block content_block_start / content_block_delta... /
 content_block_stop with indexes 0, 1, 2..., then message_delta (stop_reason, usage), message_stop.
+
+A final assistant message is a prefill the answer continues (the chat request's `continue_final_message`);
+`thinking.budget_tokens` becomes the engine's ThinkingBudget, which ends reasoning when it is used up.
 """
 
 from __future__ import annotations
@@ -64,6 +67,8 @@ class MessagesServing:
         for i, m in enumerate(req.messages):
             add_message(out, i, m, tool_names)
         fields: dict = {"model": req.model}
+        if req.messages[-1].role == "assistant" and prefill(out, len(req.messages) - 1):
+            fields["continue_final_message"] = True
         if req.tools:
             fields["tools"] = [
                 {"type": "function", "function": {"name": t.name, "description": t.description or "", "parameters": t.input_schema}}
@@ -85,11 +90,15 @@ class MessagesServing:
 
     def build_request(self, req: MessagesRequest, request_id: str) -> GenerationRequest:
         translation, fields = self.translate(req)
-        return build_request(
+        gen = build_request(
             self.chat, translation, RENAMES, request_id, **fields,
             max_tokens=req.max_tokens, stop=req.stop_sequences, temperature=req.temperature,
             top_p=req.top_p, top_k=req.top_k,
         )
+        if req.thinking and req.thinking.type == "enabled":
+            budget = self.chat.output.thinking_budget(req.thinking.budget_tokens, gen.output.starts_in_reasoning)
+            gen.sampling.thinking_budget = budget
+        return gen
 
     def count_tokens(self, req: CountTokensRequest) -> dict:
         translation, fields = self.translate(req)
@@ -187,6 +196,22 @@ def add_message(out: ChatTranslation, i: int, m: Message, tool_names: dict[str, 
         if calls:
             message["tool_calls"] = calls
         out.add(message, path)
+
+
+def prefill(out: ChatTranslation, i: int) -> bool:
+    """A final assistant message (`messages[i]`, the last chat message) is text for the answer to continue,
+    as Anthropic does: True when there is some; an empty one is dropped (an ordinary answer follows)."""
+    message = out.messages[-1]
+    if message.get("tool_calls"):
+        raise APIError(400, f"messages[{i}]: a final assistant message is continued by the model and cannot contain "
+                            "tool_use blocks; send their tool_result blocks in a user message", param=f"messages[{i}]")
+    if not message["content"] and not message.get("reasoning_content"):
+        out.messages.pop()
+        out.origins.pop()
+        return False
+    if message["content"] != message["content"].rstrip():
+        raise APIError(400, "messages: final assistant content cannot end with trailing whitespace", param=f"messages[{i}].content")
+    return True
 
 
 def chat_part(block: TextBlock | ImageBlock) -> dict:

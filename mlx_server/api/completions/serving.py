@@ -90,6 +90,7 @@ class CompletionServing:
                 max_tokens=self.chat.prompt.completion_budget(len(tokens), requested, param="prompt"),
                 sampling=sampling,
                 stop=stop,
+                continues_text=True,  # a raw prompt is text the completion goes on with
             )
             out.append((gen, text if req.echo else ""))
         return out

@@ -143,3 +143,6 @@ class ChatCompletionRequest(GenerationFields):
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
     reasoning_effort: str | None = None
+    # vLLM's: continue the last (assistant) message instead of starting a new one (a prefill).
+    continue_final_message: bool | None = None
+    add_generation_prompt: bool | None = None

@@ -44,7 +44,10 @@ class ChatServing:
         limits.check_chat_request(req)
         messages = [self.template_message(i, m) for i, m in enumerate(req.messages)]
         want = self.output_request(req)
-        text, tokens, vision = self.encode_messages(messages, req.tools, self.template_kwargs(req))
+        continued = self.continues_final_message(req)
+        if continued:
+            want.prefill = message_text(messages[-1])
+        text, tokens, vision = self.encode_messages(messages, req)
         requested = req.max_completion_tokens or req.max_tokens
         if requested is None and req.n_predict is not None and req.n_predict > 0:
             requested = req.n_predict
@@ -60,6 +63,7 @@ class ChatServing:
             grammar=plan.grammar,
             logprobs=(req.top_logprobs or 0) if req.logprobs else None,
             output=plan.config,
+            continues_text=continued,
             vision=vision,
         )
 
@@ -97,6 +101,18 @@ class ChatServing:
             json_schema=schema,
             schema_param="response_format.json_schema.schema" if fmt is not None and fmt.type == "json_schema" else "response_format",
         )
+
+    @staticmethod
+    def continues_final_message(req: ChatCompletionRequest) -> bool:
+        """vLLM's `continue_final_message`: the output continues the last message, an assistant's (a prefill)."""
+        if not req.continue_final_message:
+            return False
+        if req.messages[-1].role != "assistant":
+            raise APIError(400, "continue_final_message: the last message must be the assistant's, to be continued", param="continue_final_message")
+        if req.add_generation_prompt:
+            raise APIError(400, "add_generation_prompt: cannot be true with continue_final_message (the prompt ends inside the "
+                                "last message, not after a new assistant header)", param="add_generation_prompt")
+        return True
 
     @staticmethod
     def template_kwargs(req: ChatCompletionRequest) -> dict | None:
@@ -149,10 +165,11 @@ class ChatServing:
             out["content"] = images.template_content(parts, out["content"], interleaved=not m.tool_calls)
         return out
 
-    def encode_messages(self, messages: list[dict], tools, template_kwargs) -> tuple[str, list[int], VisionInput | None]:
+    def encode_messages(self, messages: list[dict], req: ChatCompletionRequest) -> tuple[str, list[int], VisionInput | None]:
         """The rendered prompt and its tokens; a vision model's images are loaded and processed here."""
         loaded = images.load_media(messages, self.media_policy) if self.vision is not None else []
-        text = self.prompt.render(messages, tools, template_kwargs)
+        text = self.prompt.render(messages, req.tools, self.template_kwargs(req), self.continues_final_message(req),
+                                  req.add_generation_prompt is not False)
         if not loaded:
             return text, self.prompt.encode(text), None
         try:
@@ -268,6 +285,14 @@ class ChatServing:
         finally:
             watcher.cancel()
             handle.cancel()
+
+
+def message_text(message: dict) -> str:
+    """A template message's text (a vision model's content is a list of parts)."""
+    content = message["content"]
+    if isinstance(content, str):
+        return content
+    return "".join(part["text"] for part in content if part.get("type") == "text")
 
 
 def delta_dict(delta: OutputDelta, reasoning_key: str = "reasoning_content") -> dict:
