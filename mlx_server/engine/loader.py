@@ -76,8 +76,11 @@ def derive_model_id(model_arg: str) -> str:
     return name
 
 
-def load_model(path: Path, dequantize: str = "auto", group=None, parallel: str | None = None) -> LoadedModel:
-    """Load with mlx-lm (directories) or our GGUF reader (.gguf files); `dequantize` as device.py.
+def load_model(
+    path: Path, dequantize: str = "auto", group=None, parallel: str | None = None, fuse: str = "off"
+) -> LoadedModel:
+    """Load with mlx-lm (directories) or our GGUF reader (.gguf files); `dequantize` as device.py,
+    `fuse` (q/k/v and gate/up projections) as fuse.py.
 
     With a distributed `group`, only this rank's share of the weights is read (`parallel` says how
     the model is split: engine/distributed.py)."""
@@ -102,6 +105,13 @@ def load_model(path: Path, dequantize: str = "auto", group=None, parallel: str |
         if dequantizing:
             dequantize_to_float32(model)
             weights = "dequantized to float32"
+        # Fewer matmuls per step (engine/fuse.py); mlx-vlm's models are not mlx-lm's classes.
+        from mlx_server.engine.fuse import fuse_projections, should_fuse
+
+        if vision is None and should_fuse(fuse, parallel):
+            fused = fuse_projections(model)
+            layers = len(getattr(model, "layers", None) or [])
+            logger.info("fused projections: q/k/v and gate/up joined in %d of %d layers", fused, layers)
         # Materialise the weights here: lazy arrays made on this thread's stream cannot be
         # evaluated later on the engine thread.
         mx.eval(model.parameters())
