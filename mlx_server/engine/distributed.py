@@ -25,7 +25,6 @@ import numpy as np
 
 from mlx_server.log import logger
 
-PARALLEL_MODES = ("pipeline", "tensor")
 # Model types whose inner model is the plain llama layout (embed_tokens, layers, norm, and
 # layer(h, mask, cache)): our own pipeline split serves them. Models with mlx-lm's PipelineMixin
 # use mlx-lm's split.
