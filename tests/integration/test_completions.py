@@ -102,3 +102,80 @@ def test_tokenize_messages_counts_the_chat_prompt(client):
     count = client.post("/tokenize", json={"messages": messages}).json()["count"]
     chat = client.post("/v1/chat/completions", json={"model": "m", "messages": messages, "max_tokens": 1}).json()
     assert count == chat["usage"]["prompt_tokens"]
+
+
+def completion_logprobs(client, **body) -> dict:
+    r = client.post("/v1/completions", json={"model": "m", "prompt": PROMPT, "max_tokens": 8, **GREEDY, **body})
+    assert r.status_code == 200, r.text
+    assert_valid("CreateCompletionResponse", r.json())
+    return r.json()
+
+
+def test_logprobs_give_each_tokens_logprob_top_alternatives_and_offset(client):
+    body = completion_logprobs(client, logprobs=2)
+    (choice,) = body["choices"]
+    lp = choice["logprobs"]
+    assert body["usage"]["completion_tokens"] == 8
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 8
+    assert "".join(lp["tokens"]) == choice["text"]
+    for token, logprob, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+        assert len(top) == 2 and logprob <= 0
+        assert top[token] == logprob == max(top.values())  # greedy: the most likely token
+    # OpenAI counts offsets from the prompt's start, echoed or not.
+    starts = [len(PROMPT) + len("".join(lp["tokens"][:k])) for k in range(len(lp["tokens"]))]
+    assert lp["text_offset"] == starts
+
+
+def test_logprobs_zero_gives_the_sampled_tokens_alone(client):
+    lp = completion_logprobs(client, logprobs=0)["choices"][0]["logprobs"]
+    assert [list(top) for top in lp["top_logprobs"]] == [[t] for t in lp["tokens"]]
+
+
+def test_streamed_logprobs_equal_the_non_streamed_ones(client):
+    whole = completion_logprobs(client, logprobs=2)["choices"][0]["logprobs"]
+    body = {"model": "m", "prompt": PROMPT, "max_tokens": 8, "stream": True, "logprobs": 2, **GREEDY}
+    frames = [l for l in client.post("/v1/completions", json=body).text.split("\n\n") if l]
+    chunks = [json.loads(f[len("data: "):]) for f in frames[:-1]]
+    streamed = {key: [] for key in whole}
+    for c in chunks:
+        (choice,) = c["choices"]
+        # OpenAI's schema has no streamed chunk: a chunk is a response whose finish_reason may be null.
+        assert_valid("CreateCompletionResponse", {**c, "choices": [{**choice, "finish_reason": "length"}]})
+        assert "".join(choice["logprobs"]["tokens"]) == choice["text"]  # each chunk carries its text's tokens
+        for key in whole:
+            streamed[key] += choice["logprobs"][key]
+    assert streamed == whole
+
+
+def test_logprobs_leave_out_a_stop_strings_tokens(client):
+    whole = completion_logprobs(client, logprobs=1)["choices"][0]
+    stop = whole["text"][4:7]
+    body = completion_logprobs(client, logprobs=1, stop=stop)
+    choice = body["choices"][0]
+    assert choice["text"] == whole["text"][: whole["text"].index(stop)] and choice["finish_reason"] == "stop"
+    # The tokens that start in the text, and none of those that only wrote the stop string.
+    kept = sum(1 for offset in whole["logprobs"]["text_offset"] if offset < len(PROMPT) + len(choice["text"]))
+    assert choice["logprobs"] == {key: values[:kept] for key, values in whole["logprobs"].items()}
+    assert kept < body["usage"]["completion_tokens"]
+
+
+def test_logprobs_with_echo_is_a_400_naming_logprobs(client):
+    r = client.post("/v1/completions", json={"model": "m", "prompt": PROMPT, "echo": True, "logprobs": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
+    assert "echo" in r.json()["error"]["message"]
+
+
+def test_logprobs_over_5_is_a_400(client):
+    r = client.post("/v1/completions", json={"model": "m", "prompt": PROMPT, "logprobs": 6})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
+
+
+def test_a_token_that_splits_a_character_is_written_as_its_bytes():
+    from mlx_server.api.completions.serving import LegacyLogprobs
+    from mlx_server.engine.request import TokenLogprob
+
+    logprobs = LegacyLogprobs(start=3)
+    assert logprobs.feed("", [TokenLogprob(b" \xe2\x80", -0.5)])["tokens"] == []  # no text yet: held
+    sent = logprobs.feed(" \u2019s", [TokenLogprob(b"\x99s", -1.0)])
+    assert sent["tokens"] == ["bytes:\\x20\\xe2\\x80", "bytes:\\x99\\x73"]
+    assert sent["text_offset"] == [3, 4]

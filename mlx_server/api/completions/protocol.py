@@ -14,4 +14,6 @@ class CompletionRequest(GenerationFields):
     suffix: str | None = None
     echo: bool | None = None
     best_of: int | None = Field(None, ge=1, le=1)
-    logprobs: int | None = Field(None, ge=0, le=5)  # accepted; `logprobs` is always null for now
+    # Each generated token's logprob and its `logprobs` most likely alternatives (OpenAI's limit: 5);
+    # not with `echo`, whose prompt logprobs would need a scoring pass the engine does not have.
+    logprobs: int | None = Field(None, ge=0, le=5)

@@ -4,6 +4,7 @@ events become `text_completion` objects or SSE chunks, one choice per prompt."""
 from __future__ import annotations
 
 import asyncio
+import codecs
 import json
 import secrets
 import time
@@ -16,7 +17,7 @@ from mlx_server.api.errors import APIError
 from mlx_server.api.limits import check_count
 from mlx_server.api.openai.serving import ChatServing, submit
 from mlx_server.api.sse import DONE, SSE_HEADERS, data_frame, on_disconnect
-from mlx_server.engine.request import GenerationEvent, GenerationRequest
+from mlx_server.engine.request import GenerationEvent, GenerationRequest, TokenLogprob
 from mlx_server.engine.scheduler import GenerationHandle
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this endpoint
@@ -75,8 +76,11 @@ class CompletionServing:
         pre, suf, mid = self.fim
         return f"{pre}{prefix}{suf}{suffix}{mid}"
 
-    def build_requests(self, req: CompletionRequest, completion_id: str) -> list[tuple[GenerationRequest, str]]:
-        """One GenerationRequest per prompt, with the text `echo` puts before its completion."""
+    def build_requests(self, req: CompletionRequest, completion_id: str) -> list[tuple[GenerationRequest, str, str]]:
+        """One GenerationRequest per prompt, with its prompt text and the text `echo` puts before its completion."""
+        if req.echo and req.logprobs is not None:
+            raise APIError(400, "logprobs: not supported with echo (the prompt tokens' logprobs would need a scoring "
+                                "pass this server does not have); leave one of them out", param="logprobs")
         requested = req.max_tokens
         if requested is None:
             requested = None if req.n_predict == -1 else req.n_predict or DEFAULT_MAX_TOKENS
@@ -90,9 +94,10 @@ class CompletionServing:
                 max_tokens=self.chat.prompt.completion_budget(len(tokens), requested, param="prompt"),
                 sampling=sampling,
                 stop=stop,
+                logprobs=req.logprobs,
                 continues_text=True,  # a raw prompt is text the completion goes on with
             )
-            out.append((gen, text if req.echo else ""))
+            out.append((gen, text, text if req.echo else ""))
         return out
 
     # ---- responses ----
@@ -102,38 +107,43 @@ class CompletionServing:
         built = await asyncio.to_thread(self.build_requests, req, completion_id)
         handles: list[GenerationHandle] = []
         try:
-            for gen, _ in built:
+            for gen, _, _ in built:
                 handles.append(submit(self.chat.engine, gen))
         except APIError:
             for h in handles:
                 h.cancel()
             raise
         meta = {"id": completion_id, "object": "text_completion", "created": int(time.time()), "model": req.model}
-        echoes = [echo for _, echo in built]
+        echoes = [echo for _, _, echo in built]
+        # OpenAI counts text_offset from the prompt's start, echoed or not.
+        logprobs = [LegacyLogprobs(len(prompt)) if req.logprobs is not None else None for _, prompt, _ in built]
         if req.stream:
-            stream = self._stream(handles, echoes, meta, request)
+            stream = self._stream(handles, echoes, logprobs, meta, request)
             return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS)
-        return await self._complete(handles, echoes, meta, request)
+        return await self._complete(handles, echoes, logprobs, meta, request)
 
-    async def _complete(self, handles: list[GenerationHandle], echoes: list[str], meta: dict, request: Request):
+    async def _complete(self, handles: list[GenerationHandle], echoes: list[str], logprobs: list[LegacyLogprobs | None],
+                        meta: dict, request: Request):
         watcher = on_disconnect(request, lambda: [h.cancel() for h in handles])
         try:
             results = await asyncio.gather(*(collect(h) for h in handles))
         finally:
             watcher.cancel()
-        for _, event in results:
+        for _, _, event in results:
             if event.finish_reason == "error":
                 raise APIError(503, event.error or "generation failed", type="server_error", code="generation_failed")
         choices = [
-            {"index": i, "text": echoes[i] + text, "logprobs": None, "finish_reason": event.finish_reason}
-            for i, (text, event) in enumerate(results)
+            {"index": i, "text": echoes[i] + text, "logprobs": logprobs[i].feed(text, entries) if logprobs[i] else None,
+             "finish_reason": event.finish_reason}
+            for i, (text, entries, event) in enumerate(results)
         ]
-        body = {**meta, "choices": choices, "usage": usage_dict([e for _, e in results])}
+        body = {**meta, "choices": choices, "usage": usage_dict([e for _, _, e in results])}
         if len(results) == 1:
-            body["timings"] = results[0][1].timings.as_dict()
+            body["timings"] = results[0][2].timings.as_dict()
         return JSONResponse(body)
 
-    async def _stream(self, handles: list[GenerationHandle], echoes: list[str], meta: dict, request: Request):
+    async def _stream(self, handles: list[GenerationHandle], echoes: list[str], logprobs: list[LegacyLogprobs | None],
+                      meta: dict, request: Request):
         """Every prompt's chunks as they come; the last chunk carries the usage of them all."""
         watcher = on_disconnect(request, lambda: [h.cancel() for h in handles])
         events: asyncio.Queue = asyncio.Queue()
@@ -142,8 +152,9 @@ class CompletionServing:
             async for event in handle.events():
                 events.put_nowait((i, event))
 
-        def chunk(i: int, text: str, finish_reason=None, **extra) -> bytes:
-            choice = {"index": i, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        def chunk(i: int, text: str, finish_reason=None, entries=None, **extra) -> bytes:
+            choice = {"index": i, "text": text, "logprobs": logprobs[i].feed(text, entries) if logprobs[i] else None,
+                      "finish_reason": finish_reason}
             return data_frame({**meta, "choices": [choice], **extra})
 
         pumps = [asyncio.ensure_future(pump(i, h)) for i, h in enumerate(handles)]
@@ -161,7 +172,7 @@ class CompletionServing:
                     return
                 if event.finish_reason is None:
                     if event.text:
-                        yield chunk(i, event.text)
+                        yield chunk(i, event.text, entries=event.logprobs)
                     continue
                 finals.append(event)
                 extra = {}
@@ -169,7 +180,7 @@ class CompletionServing:
                     extra["usage"] = usage_dict(finals)
                     if len(handles) == 1:
                         extra["timings"] = event.timings.as_dict()
-                yield chunk(i, event.text, event.finish_reason, **extra)
+                yield chunk(i, event.text, event.finish_reason, entries=event.logprobs, **extra)
             yield DONE
         finally:
             watcher.cancel()
@@ -179,12 +190,60 @@ class CompletionServing:
                 h.cancel()
 
 
-async def collect(handle: GenerationHandle) -> tuple[str, GenerationEvent]:
-    """A generation's whole text and its last event."""
-    parts = []
+async def collect(handle: GenerationHandle) -> tuple[str, list[TokenLogprob], GenerationEvent]:
+    """A generation's whole text, its tokens' logprobs (when asked) and its last event."""
+    parts, entries = [], []
     async for event in handle.events():
         parts.append(event.text)
-    return "".join(parts), event
+        entries += event.logprobs or []
+    return "".join(parts), entries, event
+
+
+class LegacyLogprobs:
+    """One choice's legacy `logprobs` objects (`tokens`, `token_logprobs`, `top_logprobs`, `text_offset`),
+    following its text: each piece of text carries the tokens that start in it. Tokens that start after
+    the text's end (a stop string's, which is never shown) are never sent."""
+
+    def __init__(self, start: int):
+        self.offset = start  # where the next token starts, in characters from the prompt's start
+        self.end = start  # where the text sent so far ends
+        self.pending: list[tuple[int, TokenLogprob]] = []
+        self.decoder = codecs.getincrementaldecoder("utf-8")("replace")  # a character split over tokens counts once
+
+    def feed(self, text: str, entries: list[TokenLogprob] | None) -> dict:
+        for e in entries or []:
+            self.pending.append((self.offset, e))
+            self.offset += len(self.decoder.decode(e.token))
+        self.end += len(text)
+        n = sum(1 for offset, _ in self.pending if offset < self.end)
+        ready, self.pending = self.pending[:n], self.pending[n:]
+        return {
+            "tokens": [token_text(e.token) for _, e in ready],
+            "token_logprobs": [clamp(e.logprob) for _, e in ready],
+            # OpenAI's: the sampled token is always among them (so up to `logprobs` + 1 entries).
+            "top_logprobs": [top_dict(e) for _, e in ready],
+            "text_offset": [offset for offset, _ in ready],
+        }
+
+
+def top_dict(e: TokenLogprob) -> dict[str, float]:
+    top: dict[str, float] = {}
+    for token, logprob in [*e.top, (e.token, e.logprob)]:
+        top.setdefault(token_text(token), clamp(logprob))
+    return top
+
+
+def token_text(token: bytes) -> str:
+    """A token as text; one that is not whole UTF-8 (part of a character) as `bytes:\\xe2\\x80`, OpenAI's way."""
+    try:
+        return token.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in token)
+
+
+def clamp(logprob: float) -> float:
+    """-9999.0 stands for a probability too small to write (OpenAI's convention; JSON has no -inf)."""
+    return max(logprob, -9999.0)
 
 
 def usage_dict(finals: list[GenerationEvent]) -> dict:
