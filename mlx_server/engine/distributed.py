@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.generate import generation_stream
 
 from mlx_server.log import logger
 
@@ -139,8 +140,6 @@ def _pipelined(cls: type) -> type:
 
 def group_min(group, value: int) -> int:
     """The smallest of every rank's `value` (so that all ranks make the same decision)."""
-    from mlx_lm.generate import generation_stream
-
     values = mx.distributed.all_gather(mx.array([int(value)], dtype=mx.int64), group=group, stream=generation_stream)
     return int(mx.min(values).item())
 
@@ -203,8 +202,6 @@ class StepChannel:
     def _sum(self, array: np.ndarray) -> np.ndarray:
         # On the generation stream, behind the model step mlx-lm may have started asynchronously:
         # collectives on two streams at once would interleave their bytes on the same connections.
-        from mlx_lm.generate import generation_stream
-
         try:
             out = mx.distributed.all_sum(mx.array(array), group=self.group, stream=generation_stream)
             mx.eval(out)

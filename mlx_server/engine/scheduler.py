@@ -155,9 +155,8 @@ class Engine:
     def submit(self, request: GenerationRequest) -> GenerationHandle:
         if self.failed:
             raise EngineUnavailable(self.failed)
-        loop = asyncio.get_running_loop()
         self._fit_to_kv_budget(request)
-        seq = _Sequence(request, loop, asyncio.Queue(), _detokenizer(self.tokenizer, request), StopMatcher(request.stop))
+        seq = self._sequence(request, asyncio.get_running_loop())
         with self._live_lock:
             if self.failed:
                 raise EngineUnavailable(self.failed)
@@ -270,7 +269,7 @@ class Engine:
             step, leader_checksum = self.channel.exchange(None, 0)
             if leader_checksum != checksum:
                 raise GroupFailed(f"rank {self.channel.rank} sampled different tokens from rank 0 (the ranks are out of step)")
-            added = [self._follower_sequence(request_from_wire(d)) for d in step.add]
+            added = [self._sequence(request_from_wire(d), None) for d in step.add]
             known = {s.request.id: s for s in [*self._waiting, *self._active.values(), *added]}
             return added, [known[i] for i in step.cancel if i in known], step.stop
         added = self._admit(block=not self._active and not self._waiting)
@@ -284,8 +283,10 @@ class Engine:
             self.channel.exchange(step, checksum)
         return added, cancel, stop
 
-    def _follower_sequence(self, request: GenerationRequest) -> _Sequence:
-        return _Sequence(request, None, None, _detokenizer(self.tokenizer, request), StopMatcher(request.stop))
+    def _sequence(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop | None) -> _Sequence:
+        """A new sequence; with no loop (a follower rank's copy) its events go nowhere."""
+        events = asyncio.Queue() if loop is not None else None
+        return _Sequence(request, loop, events, _detokenizer(self.tokenizer, request), StopMatcher(request.stop))
 
     def follow(self) -> int:
         """Run as a follower rank on this thread until rank 0 stops the group; the exit status."""
