@@ -77,7 +77,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(name: str, model: Path, logdir: Path) -> dict:
+def start_server(name: str, model: Path, logdir: Path, variants: dict[str, list[str]]) -> dict:
     """Start one server process; returns its record (the readiness wait is separate, so all load at once)."""
     port = free_port()
     if name == REF:
@@ -86,6 +86,7 @@ def start_server(name: str, model: Path, logdir: Path) -> dict:
         cmd = [PY, "-m", "mlx_server", "--model", str(model), "--port", str(port)]
         if name == "ours-4bit":
             cmd += ["--dequantize", "off"]
+        cmd += variants.get(name, [])
     log = open(logdir / f"{name}.log", "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
     return {"name": name, "url": f"http://127.0.0.1:{port}", "proc": proc, "log": logdir / f"{name}.log", "cmd": cmd}
@@ -389,6 +390,9 @@ def parse_args():
     p.add_argument("--workloads", default="single,multiturn,concurrent")
     p.add_argument("--clients", default=None, help="concurrent client counts (default 1,4,8; --quick 1,2)")
     p.add_argument("--servers", default="ours,ours-4bit,mlx_lm", help="server columns to run")
+    p.add_argument("--ours-variant", action="append", default=[], metavar="LABEL=FLAGS",
+                   help="one more column, ours-LABEL: our server with FLAGS added, e.g. "
+                        "'nocompile=--compile-decode off' (repeatable; it joins the --servers columns)")
     p.add_argument("--ours-4bit-workloads", default=None,
                    help="workloads the ours-4bit column runs (default single: on this CPU 4-bit weights prefill at "
                         "~10 and decode at ~7 tokens/s total at any batch size, so multiturn and concurrent would "
@@ -415,6 +419,11 @@ def parse_args():
     a.clients = [int(x) for x in (a.clients or ("1,2" if q else "1,4,8")).split(",")]
     a.workloads = [w for w in a.workloads.split(",") if w]
     a.servers = [s for s in a.servers.split(",") if s]
+    a.variants = {}
+    for v in a.ours_variant:
+        label, _, flags = v.partition("=")
+        a.variants[f"ours-{label}"] = flags.split()
+        a.servers.append(f"ours-{label}")
     a.ours_4bit_workloads = (a.ours_4bit_workloads or ("single,multiturn,concurrent" if q else "single")).split(",")
     return a
 
@@ -434,13 +443,14 @@ async def main_async(a) -> dict:
     ensure_model(model)
     t_start = time.perf_counter()
     logdir = Path(tempfile.mkdtemp(prefix="mlx-bench-"))
-    servers = [start_server(n, model, logdir) for n in a.servers]
+    servers = [start_server(n, model, logdir, a.variants) for n in a.servers]
     engine_forms = a.engine_forms.split(",")
     engines = [] if a.no_engine else [f"engine-{f}" for f in engine_forms]
     res = {"machine": {"cpus": os.cpu_count(), "platform": sys.platform}, "model": str(model),
            "settings": {k: getattr(a, k) for k in ("quick", "tokens", "turns", "turn_tokens", "clients", "rounds",
                                                    "bandwidth", "workloads", "servers", "ours_4bit_workloads")},
            "commands": {s["name"]: " ".join(s["cmd"]) for s in servers}}
+    res["settings"]["variants"] = a.variants
     try:
         await asyncio.gather(*[wait_ready(s) for s in servers])
         async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=64)) as c:
@@ -505,11 +515,15 @@ def main() -> None:
         engine_child(a.engine_child, a.model, json.loads(a.messages) if a.messages else None, a.tokens)
         return
     res = asyncio.run(main_async(a))
-    cols = [c for c in COLUMNS if c in res["weights"]]
+    columns = COLUMNS[:1] + list(a.variants) + COLUMNS[1:]
+    cols = [c for c in columns if c in res["weights"]]
     print(f"\nmlx-server bench: {res['model']}, {res['machine']['cpus']} CPUs, "
           f"{a.tokens} tokens, {a.turns} turns x {a.turn_tokens} tokens, clients {a.clients}, "
           f"bandwidth {a.bandwidth / 1e9:.0f} GB/s, {res['elapsed_s']:.0f}s")
-    print("ours = our default, ours-4bit = --dequantize off, mlx_lm = mlx_lm.server; (x) = ratio to mlx_lm.server\n")
+    print("ours = our default, ours-4bit = --dequantize off, mlx_lm = mlx_lm.server; (x) = ratio to mlx_lm.server")
+    for col, flags in a.variants.items():
+        print(f"{col} = ours with {' '.join(flags)}")
+    print()
     print(table(res, cols))
     if a.json_out:
         Path(a.json_out).write_text(json.dumps(res, indent=1))

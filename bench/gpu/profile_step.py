@@ -9,6 +9,9 @@ Random weights of a real shape (bench/make_random_model.py's SHAPES), built in m
                 `t` after B: also the host time of building the forward pass's graph (Python) per step
   sched         our scheduler (engine/scheduler.py's Engine) in-process, one greedy request; its own timings
   prefill-plain / prefill-ours   time to the first token of a --long-prompt-token prompt
+A mode may end in `+f` (fused projections, engine/fuse.py), `+c` (compiled decode steps,
+engine/compiled.py) or `+fc` (both): it then runs on a copy of the model (the same random weights)
+changed that way. `t` modes also time the host's share of mx.async_eval (MLX encoding the step).
 Decode tokens/s are over steady steps (every sequence decoding), B sequences x steps / time.
 """
 
@@ -36,12 +39,22 @@ TINY = dict(model_type="llama", hidden_size=64, num_hidden_layers=2, num_attenti
             intermediate_size=128, vocab_size=49152, rms_norm_eps=1e-5, tie_word_embeddings=False)
 
 
-def build(shape: str):
+def build(shape: str, variant: str = ""):
+    """The model with random weights (the same for every variant: a fixed seed), changed as `variant`
+    says: f = fused projections, c = compiled decode steps."""
+    from mlx_server.engine.compiled import compile_decode
+    from mlx_server.engine.fuse import fuse_projections
+
     config = dict(TINY if shape == "tiny" else SHAPES[shape])
     model_class, args_class = _get_classes(config)
+    mx.random.seed(0)
     model = model_class(args_class.from_dict(config))
     model.set_dtype(mx.bfloat16)
     mx.eval(model.parameters())
+    if "f" in variant:
+        fuse_projections(model)
+    if "c" in variant:
+        compile_decode(model)
     return model, config
 
 
@@ -75,9 +88,23 @@ class Timed:
         return getattr(self._model, name)
 
 
+class TimedEval:
+    """mx.async_eval with the host time it takes added up (MLX encoding and launching a step)."""
+
+    def __init__(self):
+        self.real, self.spent, self.calls = mx.async_eval, 0.0, 0
+
+    def __call__(self, *args):
+        t = time.perf_counter()
+        self.real(*args)
+        self.spent += time.perf_counter() - t
+        self.calls += 1
+
+
 def run_batch(cls, model, vocab, tokens, plen, b, ragged, timed=False):
     if timed:
         model = Timed(model)
+        mx.async_eval = timed_eval = TimedEval()
     gen = cls(model, stop_tokens=[], completion_batch_size=32, prefill_batch_size=8)
     lens = [plen + (17 * i if ragged else 0) for i in range(b)]
     uids = gen.insert([prompt(n, i + 1, vocab) for i, n in enumerate(lens)], max_tokens=[tokens] * b)
@@ -97,7 +124,9 @@ def run_batch(cls, model, vocab, tokens, plen, b, ragged, timed=False):
     gen.close()
     res = {"tps": tps, "tokens": out[uids[0]], "steady_steps": len(steady)}
     if timed:
+        mx.async_eval = timed_eval.real
         res["graph_build_ms_per_call"] = 1000 * model.build_s / model.calls
+        res["async_eval_ms_per_call"] = 1000 * timed_eval.spent / max(timed_eval.calls, 1)
     return res
 
 
@@ -112,6 +141,24 @@ def run_prefill(cls, model, vocab, plen):
     t = time.perf_counter() - t0
     gen.close()
     return {"ttft_s": t}
+
+
+def run_new_batch_sizes(model, vocab, sizes=(1, 2, 3, 4, 8, 16, 32)):
+    """For each batch size, ms of the first decode step at that size (traces, kernel compilation)
+    against the third: the one-time cost a new batch size costs a running server."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    out = {}
+    for b in sizes:
+        cache = make_prompt_cache(model)
+        mx.eval(model(mx.array([prompt(16, i + 1, vocab) for i in range(b)]), cache=cache))
+        spent = []
+        for _ in range(3):
+            t = time.perf_counter()
+            mx.eval(model(mx.array([[5]] * b), cache=cache))
+            spent.append(round(1000 * (time.perf_counter() - t), 2))
+        out[str(b)] = spent
+    return {"tps": None, "first_second_third_ms": out}
 
 
 def run_sched(model, vocab, tokens, plen, tok_dir):
@@ -152,17 +199,23 @@ def main():
     ap.add_argument("--json-out")
     a = ap.parse_args()
 
-    model, config = build(a.shape)
-    vocab = config["vocab_size"]
+    models = {}
     res = {}
     classes = {"plain": BatchGenerator, "ours": PadAwareBatchGenerator}
-    for mode in a.modes.split(","):
+    for name in a.modes.split(","):
+        mode, _, variant = name.partition("+")
+        if variant not in models:
+            models[variant] = build(a.shape, variant)
+        model, config = models[variant]
+        vocab = config["vocab_size"]
         runs = []
         for _ in range(a.repeat):
             if mode == "stream":
                 r = run_stream(model, vocab, a.tokens, a.prompt)
             elif mode == "sched":
                 r = run_sched(model, vocab, a.tokens, a.prompt, a.tok)
+            elif mode == "newbatch":
+                r = run_new_batch_sizes(model, vocab)
             elif mode.startswith("prefill-"):
                 r = run_prefill(classes[mode.split("-")[1]], model, vocab, a.long_prompt)
             else:
@@ -173,9 +226,9 @@ def main():
             best = min(runs, key=lambda r: r["ttft_s"])
         else:
             best = max(runs, key=lambda r: r["tps"] or 0)
-        res[mode] = best
+        res[name] = best
         shown = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in best.items() if k != "tokens"}
-        print(f"{a.shape} {mode}: {shown} (all: {[round(r.get('tps') or r.get('ttft_s') or 0, 4) for r in runs]})",
+        print(f"{a.shape} {name}: {shown} (all: {[round(r.get('tps') or r.get('ttft_s') or 0, 4) for r in runs]})",
               flush=True)
     toks = {m: r["tokens"] for m, r in res.items() if "tokens" in r}
     if "stream" in toks:

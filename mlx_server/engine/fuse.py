@@ -25,8 +25,8 @@ from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_server.log import logger
 
 # The mlx-lm classes whose forward passes the fused ones reproduce (mistral is mlx-lm's llama).
-_ATTENTION = (llama.Attention, qwen2.Attention, qwen3.Attention)
-_MLP = (llama.MLP, qwen2.MLP, qwen3.MLP)
+ATTENTION = (llama.Attention, qwen2.Attention, qwen3.Attention)
+MLP = (llama.MLP, qwen2.MLP, qwen3.MLP)
 
 
 def should_fuse(mode: str, parallel: str | None) -> bool:
@@ -47,8 +47,8 @@ def fuse_projections(model) -> int:
     fused = 0
     for layer in getattr(model, "layers", None) or []:
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        fused_attention = type(attn) in _ATTENTION and _fuse_attention(attn)
-        fused_mlp = type(mlp) in _MLP and _fuse_mlp(mlp)
+        fused_attention = type(attn) in ATTENTION and _fuse_attention(attn)
+        fused_mlp = type(mlp) in MLP and _fuse_mlp(mlp)
         if fused_attention or fused_mlp:
             mx.eval(layer.parameters())  # one layer at a time: its unfused copies are freed before the next
             fused += 1

@@ -77,10 +77,11 @@ def derive_model_id(model_arg: str) -> str:
 
 
 def load_model(
-    path: Path, dequantize: str = "auto", group=None, parallel: str | None = None, fuse: str = "off"
+    path: Path, dequantize: str = "auto", group=None, parallel: str | None = None, fuse: str = "off",
+    compile_decode: str = "off",
 ) -> LoadedModel:
     """Load with mlx-lm (directories) or our GGUF reader (.gguf files); `dequantize` as device.py,
-    `fuse` (q/k/v and gate/up projections) as fuse.py.
+    `fuse` (q/k/v and gate/up projections) as fuse.py, `compile_decode` as compiled.py.
 
     With a distributed `group`, only this rank's share of the weights is read (`parallel` says how
     the model is split: engine/distributed.py)."""
@@ -112,6 +113,13 @@ def load_model(
             fused = fuse_projections(model)
             layers = len(getattr(model, "layers", None) or [])
             logger.info("fused projections: q/k/v and gate/up joined in %d of %d layers", fused, layers)
+        from mlx_server.engine.compiled import compile_decode as compile_blocks
+        from mlx_server.engine.compiled import should_compile
+
+        if vision is None and should_compile(compile_decode, parallel, "cpu" if mx.default_device() == mx.cpu else "gpu"):
+            done = compile_blocks(model)
+            layers = len(getattr(model, "layers", None) or [])
+            logger.info("compiled decode steps in %d of %d layers", done, layers)
         # Materialise the weights here: lazy arrays made on this thread's stream cannot be
         # evaluated later on the engine thread.
         mx.eval(model.parameters())

@@ -1,11 +1,14 @@
-"""Single-stream decode with and without fused projections (engine/fuse.py), in one process.
+"""Single-stream decode of the decode-step variants, in one process: fused projections
+(engine/fuse.py) and compiled decode steps (engine/compiled.py), each on or off.
 
-    .venv/bin/python bench/fuse.py [--model DIR|FILE.gguf] [--dequantize auto|on|off] [--rounds 5] [--tokens 128]
+    .venv/bin/python bench/decode_step.py [--model DIR|FILE.gguf] [--dequantize auto|on|off]
+        [--variants plain,fuse,compile,fuse+compile] [--rounds 5] [--tokens 128]
 
-Loads the model twice as the server does (`load_model`, `--fuse-projections off` and `on`), then
-alternates rounds of mlx-lm's `generate_step` between the two, so a shared machine's load falls on
-both alike. Prints each round, the medians of tokens/s and of the host time of building one step's
-graph, the ops in one step's graph, and whether the greedy tokens are the same.
+Loads the model once per variant as the server does (`load_model` with `--fuse-projections` and
+`--compile-decode`), then runs rounds of mlx-lm's `generate_step` on each in turn, the order
+rotating every round, so a shared machine's load falls on all alike. Prints each round, the medians
+of tokens/s and of the host time of building one step's graph, the ops in one step's graph, and
+whether each variant's greedy tokens are the plain one's.
 """
 
 from __future__ import annotations
@@ -79,29 +82,34 @@ def main():
     ap.add_argument("--model", default=None, help="a model directory or .gguf file (default: bench.py's SmolLM2 export, "
                     "else the embedded SmolLM2 GGUF: the same weights)")
     ap.add_argument("--dequantize", default="auto", choices=["auto", "on", "off"])
+    ap.add_argument("--variants", default="plain,fuse,compile,fuse+compile")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--prompt", type=int, default=32, help="prompt tokens")
     args = ap.parse_args()
     path = Path(args.model) if args.model else EXPORTED if (EXPORTED / "config.json").is_file() else default_model_path()
-    models = {mode: load_model(path, dequantize=args.dequantize, fuse=mode) for mode in ("off", "on")}
-    vocab = models["off"].tokenizer.vocab_size
+    variants = args.variants.split(",")
+    models = {v: load_model(path, dequantize=args.dequantize, fuse="on" if "fuse" in v else "off",
+                            compile_decode="on" if "compile" in v else "off") for v in variants}
+    vocab = models[variants[0]].tokenizer.vocab_size
     prompt = [(7919 * i) % (vocab - 10) + 5 for i in range(args.prompt)]
-    for mode, loaded in models.items():  # warm-up
+    for loaded in models.values():  # warm-up (and the compiled variants' traces)
         decode(loaded.model, prompt, 8)
-    results = {mode: [] for mode in models}
+    results = {v: [] for v in variants}
     tokens = {}
+    width = max(map(len, variants))
     for r in range(args.rounds):
-        for mode in (("off", "on") if r % 2 == 0 else ("on", "off")):
-            tps, tokens[mode] = decode(models[mode].model, prompt, args.tokens)
-            build_ms = graph_ms(models[mode].model, prompt, 64)
-            results[mode].append((tps, build_ms))
-            print(f"round {r + 1} fuse {mode:3}: {tps:6.2f} tokens/s, graph {build_ms:.3f} ms/step", flush=True)
-    for mode, rows in results.items():
-        print(f"fuse {mode:3}: median {statistics.median(t for t, _ in rows):.2f} tokens/s, "
+        for v in variants[r % len(variants):] + variants[:r % len(variants)]:
+            tps, tokens[v] = decode(models[v].model, prompt, args.tokens)
+            build_ms = graph_ms(models[v].model, prompt, 64)
+            results[v].append((tps, build_ms))
+            print(f"round {r + 1} {v:{width}}: {tps:6.2f} tokens/s, graph {build_ms:.3f} ms/step", flush=True)
+    for v, rows in results.items():
+        print(f"{v:{width}}: median {statistics.median(t for t, _ in rows):.2f} tokens/s, "
               f"graph {statistics.median(b for _, b in rows):.3f} ms/step, "
-              f"{graph_ops(models[mode].model, prompt)} ops/step ({models[mode].weights})")
-    print("same greedy tokens:", tokens["off"] == tokens["on"])
+              f"{graph_ops(models[v].model, prompt)} ops/step ({models[v].weights})")
+    for v in variants[1:]:
+        print(f"{v}: same greedy tokens as {variants[0]}: {tokens[v] == tokens[variants[0]]}")
 
 
 if __name__ == "__main__":
