@@ -392,7 +392,8 @@ def parse_args():
     p.add_argument("--servers", default="ours,ours-4bit,mlx_lm", help="server columns to run")
     p.add_argument("--ours-variant", action="append", default=[], metavar="LABEL=FLAGS",
                    help="one more column, ours-LABEL: our server with FLAGS added, e.g. "
-                        "'nocompile=--compile-decode off' (repeatable; it joins the --servers columns)")
+                        "'nocompile=--compile-decode off' or 'plain=--fuse-projections=off,--compile-decode=off' "
+                        "(repeatable; it joins the --servers columns)")
     p.add_argument("--ours-4bit-workloads", default=None,
                    help="workloads the ours-4bit column runs (default single: on this CPU 4-bit weights prefill at "
                         "~10 and decode at ~7 tokens/s total at any batch size, so multiturn and concurrent would "
@@ -422,7 +423,7 @@ def parse_args():
     a.variants = {}
     for v in a.ours_variant:
         label, _, flags = v.partition("=")
-        a.variants[f"ours-{label}"] = flags.split()
+        a.variants[f"ours-{label}"] = flags.replace(",", " ").split()
         a.servers.append(f"ours-{label}")
     a.ours_4bit_workloads = (a.ours_4bit_workloads or ("single,multiturn,concurrent" if q else "single")).split(",")
     return a

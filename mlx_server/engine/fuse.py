@@ -29,15 +29,16 @@ ATTENTION = (llama.Attention, qwen2.Attention, qwen3.Attention)
 MLP = (llama.MLP, qwen2.MLP, qwen3.MLP)
 
 
-def should_fuse(mode: str, parallel: str | None) -> bool:
-    """Only when asked (`on`): on this project's CPU it measured no faster, and on GPUs it is not
-    measured yet (README, Performance). Never with `--parallel tensor`, whose split cuts q, k and v
-    separately."""
+def should_fuse(mode: str, parallel: str | None, device: str = "cpu") -> bool:
+    """`auto`: on GPUs, where it measured faster (README, Performance: an H200 decoded 8 streams of
+    a Llama-3-8B shape 1.24x and one Qwen3-0.6B stream 1.22x faster, with compiled decode steps);
+    on this project's CPU it measured no faster. Never with `--parallel tensor`, whose split cuts
+    q, k and v separately."""
     if parallel == "tensor":
         if mode == "on":
             logger.warning("--fuse-projections on is ignored with --parallel tensor (ranks hold slices of q, k and v)")
         return False
-    return mode == "on"
+    return mode == "on" or (mode == "auto" and device == "gpu")
 
 
 def fuse_projections(model) -> int:

@@ -77,8 +77,8 @@ def derive_model_id(model_arg: str) -> str:
 
 
 def load_model(
-    path: Path, dequantize: str = "auto", group=None, parallel: str | None = None, fuse: str = "off",
-    compile_decode: str = "off",
+    path: Path, dequantize: str = "auto", group=None, parallel: str | None = None, fuse: str = "auto",
+    compile_decode: str = "auto",
 ) -> LoadedModel:
     """Load with mlx-lm (directories) or our GGUF reader (.gguf files); `dequantize` as device.py,
     `fuse` (q/k/v and gate/up projections) as fuse.py, `compile_decode` as compiled.py.
@@ -109,14 +109,15 @@ def load_model(
         # Fewer matmuls per step (engine/fuse.py); mlx-vlm's models are not mlx-lm's classes.
         from mlx_server.engine.fuse import fuse_projections, should_fuse
 
-        if vision is None and should_fuse(fuse, parallel):
+        device = "cpu" if mx.default_device() == mx.cpu else "gpu"
+        if vision is None and should_fuse(fuse, parallel, device):
             fused = fuse_projections(model)
             layers = len(getattr(model, "layers", None) or [])
             logger.info("fused projections: q/k/v and gate/up joined in %d of %d layers", fused, layers)
         from mlx_server.engine.compiled import compile_decode as compile_blocks
         from mlx_server.engine.compiled import should_compile
 
-        if vision is None and should_compile(compile_decode, parallel, "cpu" if mx.default_device() == mx.cpu else "gpu"):
+        if vision is None and should_compile(compile_decode, parallel, device):
             done = compile_blocks(model)
             layers = len(getattr(model, "layers", None) or [])
             logger.info("compiled decode steps in %d of %d layers", done, layers)

@@ -146,10 +146,12 @@ def test_other_model_types_are_left_alone():
     assert fuse_projections(Other()) == 0
 
 
-def test_tensor_parallel_never_fuses_and_only_on_fuses():
+def test_tensor_parallel_never_fuses_and_auto_means_gpus():
     assert not should_fuse("on", "tensor")
     assert should_fuse("on", "pipeline") and should_fuse("on", None)
     assert not should_fuse("off", None) and not should_fuse("off", "pipeline")
+    assert should_fuse("auto", None, "gpu") and should_fuse("auto", "pipeline", "gpu")
+    assert not should_fuse("auto", None, "cpu") and not should_fuse("auto", "tensor", "gpu")
 
 
 @pytest.mark.parametrize("dequantize", ["on", "off"], ids=["float32", "4-bit"])
