@@ -22,6 +22,19 @@ from mlx_server.log import logger
 
 WARPS = 8  # rows per block of 256 threads
 
+_HEADER = """
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+namespace mlx_server_gemv {
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+template <typename T> __device__ __forceinline__ T from_float(float v);
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16(v); }
+template <> __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half(v); }
+}
+"""
+
 _SOURCE = """
     const int lane = threadIdx.x & 31;
     const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
@@ -44,7 +57,7 @@ _SOURCE = """
         const T* bv = reinterpret_cast<const T*>(&b);
         #pragma unroll
         for (int j = 0; j < 8; ++j) {
-            acc += static_cast<float>(av[j]) * static_cast<float>(bv[j]);
+            acc += mlx_server_gemv::to_float(av[j]) * mlx_server_gemv::to_float(bv[j]);
         }
     }
     #pragma unroll
@@ -52,14 +65,15 @@ _SOURCE = """
         acc += __shfl_xor_sync(0xffffffff, acc, offset);
     }
     if (lane == 0) {
-        y[row] = static_cast<T>(acc);
+        y[row] = mlx_server_gemv::from_float<T>(acc);
     }
 """
 
 
 @functools.cache
 def _kernel():
-    return mx.fast.cuda_kernel(name="mlx_server_gemv", input_names=["w", "x"], output_names=["y"], source=_SOURCE)
+    return mx.fast.cuda_kernel(name="mlx_server_gemv", input_names=["w", "x"], output_names=["y"], source=_SOURCE,
+                               header=_HEADER)
 
 
 def on_cuda() -> bool:
