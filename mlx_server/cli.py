@@ -40,7 +40,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dequantize", choices=["auto", "on", "off"], default="auto", help="dequantize quantized weights to float32 (auto: on CPUs when it fits in a quarter of RAM; faster there)")
     p.add_argument("--fuse-projections", choices=["auto", "on", "off"], default="auto", help="join each layer's q/k/v and gate/up projections into one matmul each (llama, mistral, qwen2, qwen3; never with --parallel tensor); auto: on GPUs, where it measured faster (on CPUs it did not)")
     p.add_argument("--compile-decode", choices=["auto", "on", "off"], default="auto", help="run each layer's work around the attention as mx.compile'd functions in decode steps (llama, mistral, qwen2, qwen3; never with --parallel tensor); auto: on GPUs")
-    p.add_argument("--gemv", choices=["auto", "on", "off"], default="off", help="one token's projections through our CUDA matrix-vector kernel (engine/gemv.py) instead of MLX's matmul; auto: on CUDA GPUs")
     p.add_argument("--no-openblas", dest="openblas", action="store_false", help="do not load the system OpenBLAS in place of the mlx-cpu wheel's reference BLAS (Linux)")
     p.add_argument("--parallel", choices=["pipeline", "tensor"], default=None, help="one model across the ranks started by mlx.launch: pipeline = each rank holds a run of layers, tensor = each rank holds a slice of every layer; rank 0 serves HTTP (README: Several machines)")
     p.add_argument("--peer-timeout", type=float, default=300.0, help="with --parallel: seconds the ranks may take to connect, and one scheduler step (a whole prompt's prefill) may wait for the other ranks, before the group gives up and exits (default 300)")
@@ -75,7 +74,7 @@ def main(argv: list[str] | None = None) -> None:
         path = resolve_model_path(model_arg)
         say(f"Loading model from: {path}")
         loaded = load_model(path, dequantize=args.dequantize, group=group, parallel=args.parallel, fuse=args.fuse_projections,
-                            compile_decode=args.compile_decode, gemv=args.gemv)
+                            compile_decode=args.compile_decode)
         if group is not None:
             _check_same_setup(group, path, args)
     except ModelError as e:

@@ -107,21 +107,6 @@ def main():
         print(f"matvec {o}x{i}: {gbs:.0f} GB/s, {us:.1f} us", flush=True)
         gbs, us = matvec(o, i, transposed=True)
         print(f"matvec {o}x{i}, W stored in x out: {gbs:.0f} GB/s, {us:.1f} us", flush=True)
-    from mlx_server.engine.gemv import gemv
-
-    for o, i in [(4096, 4096), (1024, 4096), (6144, 4096), (14336, 4096), (28672, 4096), (4096, 14336)]:
-        for dt in (mx.bfloat16, mx.float16):
-            w = mx.random.normal((o, i)).astype(dt)
-            x = mx.random.normal((1, 1, i)).astype(dt)
-            want, got = (x @ w.T).astype(mx.float32), gemv(x, w).astype(mx.float32)
-            err = (mx.abs(got - want).max() / mx.abs(want).max()).item()
-            print(f"gemv {o}x{i} {dt}: shape {got.shape}, max error / max |y| {err:.2e}", flush=True)
-        ws = [mx.random.normal((o, i)).astype(mx.bfloat16) for _ in range(4)]
-        mx.eval(ws)
-        run = lambda: [gemv(x.astype(mx.bfloat16), ws[j % 4]) for j in range(50)]
-        timed(run, 1)
-        dt_s = timed(run) / 50
-        print(f"gemv {o}x{i}: {o * i * 2 / dt_s / 1e9:.0f} GB/s, {dt_s * 1e6:.1f} us", flush=True)
     for k in ("rmsnorm", "add", "rope"):
         print(f"small {k}: {small(k):.2f} us each", flush=True)
     for variant in [] if a.variants == "none" else a.variants.split(","):

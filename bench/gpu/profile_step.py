@@ -41,7 +41,7 @@ TINY = dict(model_type="llama", hidden_size=64, num_hidden_layers=2, num_attenti
 
 def build(shape: str, variant: str = ""):
     """The model with random weights (the same for every variant: a fixed seed), changed as `variant`
-    says: f = fused projections, c = compiled decode steps, g = the CUDA matrix-vector kernel."""
+    says: f = fused projections, c = compiled decode steps."""
     from mlx_server.engine.compiled import compile_decode
     from mlx_server.engine.fuse import fuse_projections
 
@@ -53,10 +53,6 @@ def build(shape: str, variant: str = ""):
     mx.eval(model.parameters())
     if "f" in variant:
         fuse_projections(model)
-    if "g" in variant:
-        from mlx_server.engine.gemv import use_gemv
-
-        use_gemv(model)
     if "c" in variant:
         compile_decode(model)
     return model, config

@@ -1,8 +1,8 @@
 """Compiled decode steps: each layer's work around the attention in two `mx.compile`d functions.
 
-Single-stream decode on a GPU is bound by the host (README, Performance): a step of a 32-layer
-model builds several hundred ops in Python, one module call at a time, and the GPU waits for them.
-For a decode step (one new token per sequence) every shape in a layer is fixed except the KV
+A decode step of a 32-layer model builds several hundred ops in Python, one module call at a time,
+and on a GPU the host's share of a step (building the graph, then MLX encoding it) is as long as the
+GPU's. For a decode step (one new token per sequence) every shape in a layer is fixed except the KV
 cache's length, so the layer is cut in three:
 
 - before the cache (compiled): input norm, q/k/v projections, q/k norms (qwen3), RoPE at the
@@ -12,6 +12,8 @@ cache's length, so the layer is cut in three:
 
 A compiled function is traced once per batch size and then replayed from C++, so the Python work of
 a layer is two calls instead of a dozen module calls; MLX also fuses the elementwise ops it can.
+With fused projections, an H200 decoded 8 sequences 1.24-1.30x and one Qwen3-0.6B sequence 1.22x
+faster (README, Performance); on CPUs, where a step is bound by its matmuls, it is off by default.
 The ops are mlx-lm's own, in the same order and dtypes, so the tokens are the same (tests check).
 Prefill chunks (more than one token) take mlx-lm's forward pass unchanged.
 

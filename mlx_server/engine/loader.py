@@ -78,7 +78,7 @@ def derive_model_id(model_arg: str) -> str:
 
 def load_model(
     path: Path, dequantize: str = "auto", group=None, parallel: str | None = None, fuse: str = "auto",
-    compile_decode: str = "auto", gemv: str = "off",
+    compile_decode: str = "auto",
 ) -> LoadedModel:
     """Load with mlx-lm (directories) or our GGUF reader (.gguf files); `dequantize` as device.py,
     `fuse` (q/k/v and gate/up projections) as fuse.py, `compile_decode` as compiled.py.
@@ -114,10 +114,6 @@ def load_model(
             fused = fuse_projections(model)
             layers = len(getattr(model, "layers", None) or [])
             logger.info("fused projections: q/k/v and gate/up joined in %d of %d layers", fused, layers)
-        from mlx_server.engine.gemv import should_use, use_gemv
-
-        if vision is None and parallel != "tensor" and should_use(gemv):
-            logger.info("one-row projections use the CUDA matrix-vector kernel in %d layers' linears", use_gemv(model))
         from mlx_server.engine.compiled import compile_decode as compile_blocks
         from mlx_server.engine.compiled import should_compile
 
