@@ -33,7 +33,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--metrics", choices=["on", "off"], default="on", help="Prometheus metrics at /metrics, behind --api-key when one is set (default on)")
     p.add_argument("--cors-origins", default="", help="comma-separated origins that browsers may call the API from, e.g. http://localhost:1420, or '*' (default: none, CORS off)")
     p.add_argument("--chat-template", metavar="FILE", default=None, help="a Jinja chat template file to use in place of the model's own")
-    p.add_argument("--tool-call-parser", metavar="NAME", default=None, help="the model's tool-call format, one of mlx-lm's tool parsers (json_tools, qwen3_coder, mistral, pythonic...); default: inferred from the chat template")
+    p.add_argument("--tool-call-parser", metavar="NAME", default=None, help="the model's tool-call format, one of mlx-lm's tool parsers (json_tools, qwen3_coder, mistral, pythonic...) or llama3_json (Llama 3.1-3.3); default: inferred from the chat template")
     p.add_argument("--no-remote-media", dest="remote_media", action="store_false", help="never fetch http(s) image or video URLs (for servers next to private services); file paths and data: URLs still work")
     p.add_argument("--max-media-size", type=_size, default=20 << 20, help="largest image or video file a request may name, e.g. 20M (default 20M)")
     p.add_argument("--reasoning-format", choices=["deepseek", "reasoning_content", "reasoning", "none"], default="deepseek", help="where <think> reasoning goes: deepseek (alias reasoning_content) = message.reasoning_content, reasoning = message.reasoning, none = left inline in the content (default deepseek)")

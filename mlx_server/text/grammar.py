@@ -67,12 +67,19 @@ def _pythonic(w: "_Writer", name: str, params: dict) -> str:
     return f"{_lit(name + '(')} {w.params(params, param, sep=', ')} {_lit(')')}"
 
 
+def _llama3(w: "_Writer", name: str, params: dict) -> str:
+    head = json.dumps({"name": name})[:-1] + ', "parameters": '
+    return f"{_lit(head)} {w.json(params)} {_lit('}')}"
+
+
 CALL_SYNTAX: dict[str, CallSyntax] = {
     "json_tools": CallSyntax(per_segment=True, sep="\n", call=_json_tools),
     "qwen3_coder": CallSyntax(per_segment=True, sep="\n", call=_qwen3_coder),
     "mistral": CallSyntax(per_segment=False, sep="", call=_mistral),
     "kimi_k2": CallSyntax(per_segment=False, sep="", call=_kimi_k2),
     "pythonic": CallSyntax(per_segment=False, sep=", ", call=_pythonic, open="[", close="]"),
+    # No markers: the calls are the whole output (tool_calls.py).
+    "llama3_json": CallSyntax(per_segment=False, sep="; ", call=_llama3),
 }
 
 
@@ -99,6 +106,10 @@ def output_grammar(shape: OutputShape, special: SpecialToken) -> str | None:
     tools = bool(shape.tools) and shape.tool_format is not None and can_constrain_tools(shape.tool_format[0])
     calls, rest = w.calls(shape) if tools else (None, None)
     json_rule = w.json(shape.json_schema) if shape.json_schema is not None else None
+    if calls is not None and not shape.tools_required and json_rule is None and not shape.tool_format[1]:
+        # `auto` in a format without a start marker (Llama 3): the output is calls or any text,
+        # and any text admits calls: nothing to constrain.
+        calls = None
     if calls is None and json_rule is None:
         return None
     if calls is None:
@@ -181,7 +192,7 @@ class _Writer:
             alternatives.append(rule)
         one = self.name("one_call")
         self.rules.append(f"{one}: {' | '.join(alternatives)}")
-        start_mark, end_mark = self.mark(start), (self.mark(end) if end else "")
+        start_mark, end_mark = (self.mark(start) if start else ""), (self.mark(end) if end else "")
         sep = f"{_lit(syntax.sep)} " if syntax.sep else ""
 
         def repeated(item: str) -> str:
@@ -194,7 +205,7 @@ class _Writer:
         else:
             inner = [_lit(syntax.open) if syntax.open else "", repeated(one), _lit(syntax.close) if syntax.close else ""]
             self.rules.append(f"{rest}: {' '.join(x for x in inner if x)} {end_mark}")
-            self.rules.append(f"{calls}: {start_mark} {rest}")
+            self.rules.append(f"{calls}: {start_mark} {rest}" if start_mark else f"{calls}: {rest}")
         return calls, rest
 
     def free_text_with(self, rest: str, shape: OutputShape) -> str:

@@ -1,10 +1,15 @@
-"""Tool calls out of generated text, in any of mlx-lm's formats (feed/finish).
+"""Tool calls out of generated text, in any of mlx-lm's formats, and Llama 3's (feed/finish).
 
 A format is one of mlx-lm's `tool_parsers` modules: `tool_call_start`, `tool_call_end` and
 `parse_tool_call(text, tools)`. Text outside the markers is content; a marked segment becomes
 one or more calls. For JSON calls (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
 Qwen, Hermes) the arguments stream as they are generated; other formats are parsed when
 their segment closes.
+
+Llama 3.1-3.3 (`llama3_json`, ours: mlx-lm has none) mark nothing: the whole answer is the call,
+`{"name": ..., "parameters": {...}}`, several separated by `;`, sometimes after `<|python_tag|>`.
+So an answer that opens with `{` or that tag is held to its end and parsed; if it is not calls
+after all, it goes out as content unchanged. An answer that opens with anything else is content.
 """
 
 from __future__ import annotations
@@ -33,18 +38,54 @@ class ToolFormat:
     start: str
     end: str  # "" (Mistral): the segment runs to the end of the output
     parse: Callable[[str, Any], dict | list[dict]]
+    # With start "" (Llama 3): what an output that is calls opens with; anything else is content.
+    openers: tuple[str, ...] = ()
 
     @property
     def streams_arguments(self) -> bool:
         return self.name == "json_tools"
 
 
+PYTHON_TAG = "<|python_tag|>"
+
+
+def parse_llama3_calls(text: str, tools=None) -> list[dict]:
+    """Llama 3's calls: JSON objects with `name` and `parameters` (or `arguments`), separated by
+    `;` or whitespace, after an optional `<|python_tag|>`. ValueError when the text is anything else."""
+    text = text.strip()
+    if text.startswith(PYTHON_TAG):
+        text = text[len(PYTHON_TAG) :]
+    decoder, i, calls = json.JSONDecoder(), 0, []
+    while True:
+        while i < len(text) and (text[i].isspace() or text[i] == ";"):
+            i += 1
+        if i == len(text):
+            break
+        obj, i = decoder.raw_decode(text, i)
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            raise ValueError("not a call")
+        arguments = obj.get("parameters", obj.get("arguments", {}))
+        if isinstance(arguments, str):
+            arguments = json.loads(arguments)
+        if not isinstance(arguments, dict) or set(obj) - {"name", "parameters", "arguments", "type"}:
+            raise ValueError("not a call")
+        calls.append({"name": obj["name"], "arguments": arguments})
+    if not calls:
+        raise ValueError("no call")
+    return calls
+
+
+_OURS = {"llama3_json": ToolFormat("llama3_json", "", "", parse_llama3_calls, openers=("{", PYTHON_TAG))}
+
+
 def tool_format_names() -> list[str]:
-    return sorted(m.name for m in pkgutil.iter_modules(tool_parsers.__path__))
+    return sorted([m.name for m in pkgutil.iter_modules(tool_parsers.__path__)] + list(_OURS))
 
 
 def tool_format(name: str) -> ToolFormat:
-    """mlx-lm's tool parser module `name` as a ToolFormat; ValueError for an unknown name."""
+    """mlx-lm's tool parser module `name` (or one of ours) as a ToolFormat; ValueError for an unknown name."""
+    if name in _OURS:
+        return _OURS[name]
     if name not in tool_format_names():
         raise ValueError(f"unknown tool-call parser {name!r}; known: {', '.join(tool_format_names())}")
     m = importlib.import_module(f"mlx_lm.tool_parsers.{name}")
@@ -56,7 +97,10 @@ def infer_tool_format(tokenizer, chat_template: str | None) -> str | None:
     explicit = getattr(tokenizer, "init_kwargs", {}).get("tool_parser_type")
     if explicit:
         return explicit
-    return _infer_tool_parser(SimpleNamespace(chat_template=chat_template, get_vocab=tokenizer.get_vocab))
+    inferred = _infer_tool_parser(SimpleNamespace(chat_template=chat_template, get_vocab=tokenizer.get_vocab))
+    if inferred is None and chat_template and PYTHON_TAG in chat_template and '"parameters"' in chat_template:
+        return "llama3_json"  # Llama 3.1-3.3's templates: custom tools answer in JSON with "parameters"
+    return inferred
 
 
 def new_call_id() -> str:
@@ -86,11 +130,16 @@ class ToolCallParser:
         self._space = ""  # content: trailing whitespace, dropped if a call follows
         self._segment: str | None = None  # inside a call segment: its text so far
         self._json: _JsonCall | None = None
+        # A format without a start marker (Llama 3): the output's opening is held until it tells
+        # whether the whole output is calls (then one segment to the end) or content.
+        self._opening: str | None = "" if fmt.openers else None
 
     def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
         content: list[str] = []
         deltas: list[ToolCallDelta] = []
         buf = text
+        if self._opening is not None:
+            buf = self._open(buf)
         while buf:
             if self._segment is None:
                 buf = self._content(buf, content)
@@ -101,6 +150,8 @@ class ToolCallParser:
     def finish(self) -> tuple[str, list[ToolCallDelta]]:
         content: list[str] = []
         deltas: list[ToolCallDelta] = []
+        if self._opening is not None:  # the output ended while its opening was undecided
+            self._held, self._opening = self._opening, None
         if self._segment is not None:
             self._close(self._segment, deltas, content, complete=False)
         held, self._held = self._held, ""
@@ -110,11 +161,27 @@ class ToolCallParser:
             content.append(tail)
         return "".join(content), deltas
 
+    def _open(self, text: str) -> str:
+        """Hold the output's opening until it is decided; returns the text to go on with."""
+        self._opening += text
+        head = self._opening.lstrip()
+        if not head or any(o.startswith(head) and o != head for o in self.fmt.openers):
+            return ""  # only whitespace, or a prefix of an opener, so far
+        buf, self._opening = self._opening, None
+        if any(head.startswith(o) for o in self.fmt.openers):
+            self._segment = ""  # calls: everything to the end of the output
+            return head
+        return buf
+
     # ---- content between calls ----
 
     def _content(self, text: str, content: list[str]) -> str:
         """Consume content up to a start marker; returns what follows the marker ("" if none)."""
         start = self.fmt.start
+        if not start:  # Llama 3: calls only open the output, so the rest is content
+            self._emit_content(self._held + text, content)
+            self._held = ""
+            return ""
         buf, self._held = self._held + text, ""
         i = buf.find(start)
         if i < 0:

@@ -107,3 +107,58 @@ def test_responses_streamed_function_call_matches_openai_schemas(tool_server, cl
     done = [d for name, d in frames if name == "response.function_call_arguments.done"]
     assert len(done) == 1 and json.loads(done[0]["arguments"])["cityName"] in ("Paris", "Rome")
     assert frames[-1][0] == "response.completed"
+
+
+# Llama 3.1-3.3's way, cut down: tools in the system turn, calls answered as bare JSON with
+# "parameters", built-in tools after <|python_tag|>. The server infers the llama3_json format
+# from this (no --tool-call-parser).
+LLAMA3_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\nRespond in the format {\"name\": function name, \"parameters\": "
+    "dictionary of argument name and its value}. Functions: {{ tools | tojson }}<|im_end|>\n{% endif %}"
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{%- if m.tool_calls %}{%- for c in m.tool_calls %}{{ {'name': c.function.name, 'parameters': c.function.arguments} | tojson }}"
+    "{%- endfor %}{%- else %}{{ m.content or '' }}{%- endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    "{#- built-in tools would follow <|python_tag|> #}"
+)
+OPENAI_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "The weather now in a city",
+                                                "parameters": SCHEMA}}
+
+
+@pytest.fixture(scope="module")
+def llama3_server(tiny_model_dir, tmp_path_factory):
+    template = tmp_path_factory.mktemp("template") / "llama3.jinja"
+    template.write_text(LLAMA3_TEMPLATE)
+    server = ServerProcess("--model", str(tiny_model_dir), "--model-id", "tiny", "--ctx-size", "1024",
+                           "--chat-template", str(template)).wait_ready()
+    yield server
+    server.stop()
+
+
+def test_llama3_json_calls_plain_and_streamed_then_the_answer(llama3_server):
+    oai = openai.OpenAI(base_url=llama3_server.url + "/v1", api_key="unused", max_retries=0)
+    messages = [{"role": "user", "content": QUESTION}]
+    kwargs = dict(model="tiny", tools=[OPENAI_TOOL], tool_choice="required", parallel_tool_calls=False,
+                  max_tokens=60, temperature=0)
+    raw = oai.chat.completions.with_raw_response.create(messages=messages, **kwargs)
+    assert_valid("CreateChatCompletionResponse", raw.http_response.json())
+    r = raw.parse()
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and not choice.message.content
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments)["cityName"] in ("Paris", "Rome")
+
+    chunks = list(oai.chat.completions.create(messages=messages, stream=True, **kwargs))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert not "".join(d.content or "" for d in deltas)
+    streamed = [t for d in deltas for t in d.tool_calls or []]
+    assert streamed[0].function.name == "get_weather" and streamed[0].id
+    assert json.loads("".join(t.function.arguments or "" for t in streamed)) == json.loads(call.function.arguments)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+
+    messages += [{"role": "assistant", "tool_calls": [call.model_dump(exclude_none=True)]},
+                 {"role": "tool", "tool_call_id": call.id, "content": "sunny, 24C"}]
+    answer = oai.chat.completions.create(model="tiny", messages=messages, tools=[OPENAI_TOOL], tool_choice="none",
+                                         max_tokens=8, temperature=0)
+    assert answer.choices[0].finish_reason in ("stop", "length") and not answer.choices[0].message.tool_calls

@@ -19,6 +19,8 @@ from mlx_server.text.grammar import CALL_SYNTAX, OutputShape, closed, output_gra
 from mlx_server.text.tool_calls import tool_format
 from unit.test_tool_calls import SAMPLES, TOOLS
 
+SAMPLED = sorted(set(CALL_SYNTAX) & set(SAMPLES))  # formats whose sample is "Checking." then calls
+
 THINK = ("<think>", "</think>")
 # Small closed choices, so that random walks through the grammar finish.
 WALK_TOOLS = [
@@ -97,7 +99,7 @@ def parse(fmt_name: str, text: str):
     return out.feed(text) + out.finish()
 
 
-@pytest.mark.parametrize("fmt", sorted(CALL_SYNTAX))
+@pytest.mark.parametrize("fmt", SAMPLED)
 def test_required_grammar_accepts_the_formats_own_calls(tokenizer, fmt):
     calls_only = SAMPLES[fmt].removeprefix("Checking.")
     assert accepts(tokenizer, grammar(tokenizer, fmt, TOOLS, required=True), calls_only)
@@ -105,7 +107,19 @@ def test_required_grammar_accepts_the_formats_own_calls(tokenizer, fmt):
     assert not accepts(tokenizer, grammar(tokenizer, fmt, TOOLS, required=True), SAMPLES[fmt]), "no text before calls"
 
 
-@pytest.mark.parametrize("fmt", sorted(CALL_SYNTAX))
+def test_llama3_required_grammar_takes_its_calls_alone(tokenizer):
+    calls = '{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}; {"name": "get_time", "parameters": {"tz": "CET"}}'
+    lark = grammar(tokenizer, "llama3_json", TOOLS, required=True)
+    assert accepts(tokenizer, lark, calls) and accepts(tokenizer, lark, "<think>hm</think>\n" + calls)
+    assert not accepts(tokenizer, lark, "Checking. " + calls)
+    assert not accepts(tokenizer, lark, '{"name": "nope", "parameters": {}}')
+    single = grammar(tokenizer, "llama3_json", TOOLS, required=True, parallel=False)
+    assert not accepts(tokenizer, single, calls)
+    # `auto`: the answer is calls or text, and text admits calls: no grammar at all.
+    assert grammar(tokenizer, "llama3_json", TOOLS, think=None) is None
+
+
+@pytest.mark.parametrize("fmt", SAMPLED)
 def test_auto_grammar_accepts_text_then_calls_and_plain_text(tokenizer, fmt):
     lark = grammar(tokenizer, fmt, TOOLS)
     assert accepts(tokenizer, lark, SAMPLES[fmt])

@@ -118,8 +118,45 @@ def every_split(text, step=1):
             yield [text[:i], text[i:j], text[j:]]
 
 
+# Llama 3.1-3.3 (ours): no markers; the whole answer is the calls, or it is content.
+LLAMA3 = {
+    "two calls after the tag": (
+        '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}; '
+        '{"name": "get_time", "parameters": {"tz": "CET"}}',
+        ("", [WEATHER, TIME]),
+    ),
+    "one call, leading whitespace": ('\n {"name": "get_time", "parameters": {"tz": "CET"}}\n', ("", [TIME])),
+    "arguments key, as a JSON string": ('{"name": "get_time", "arguments": "{\\"tz\\": \\"CET\\"}"}', ("", [TIME])),
+    "JSON that is not a call": ('{"answer": 42, "name": "x"}', ('{"answer": 42, "name": "x"}', [])),
+    "text": ('The weather in Paris is {"name": "x"} sunny.', ('The weather in Paris is {"name": "x"} sunny.', [])),
+    "a prefix of the tag": ("<|pyth", ("<|pyth", [])),
+}
+
+
 def test_every_mlx_lm_format_has_a_sample():
-    assert set(SAMPLES) == set(tool_format_names())
+    assert set(SAMPLES) | {"llama3_json"} == set(tool_format_names())
+
+
+@pytest.mark.parametrize("case", sorted(LLAMA3))
+def test_llama3_calls_are_the_whole_answer_or_it_is_content(case):
+    text, expected = LLAMA3[case]
+    assert run("llama3_json", [text]) == expected
+    for i in range(len(text) + 1):
+        assert run("llama3_json", [text[:i], text[i:]]) == expected, i
+    assert run("llama3_json", list(text)) == expected
+
+
+def test_llama3_format_is_inferred_from_the_llama_3_1_template():
+    from types import SimpleNamespace
+
+    from mlx_server.text.tool_calls import infer_tool_format
+
+    tok = SimpleNamespace(init_kwargs={}, get_vocab=lambda: {})
+    template = ('{%- if builtin_tools is defined %}<|python_tag|>{%- endif %}Respond in the format '
+                '{"name": function name, "parameters": dictionary of argument name and its value}.')
+    assert infer_tool_format(tok, template) == "llama3_json"
+    assert infer_tool_format(tok, "{{ messages }} <tool_call> {{ tool_call.name }}") == "json_tools"
+    assert infer_tool_format(tok, "{{ messages }}") is None
 
 
 @pytest.mark.parametrize("fmt", sorted(SAMPLES))
