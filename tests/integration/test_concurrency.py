@@ -78,6 +78,30 @@ def test_eight_mixed_concurrent_streams_match_their_sequential_answers(tiny_serv
             assert s not in text
 
 
+def test_gpu_decode_step_variants_give_the_same_answers_batched(tiny_server, tiny_model_dir):
+    """What GPUs run by default (fused projections, compiled decode steps), forced on here: the 8
+    mixed streams, concurrent, give the greedy answers the default (CPU) server gives one by one."""
+    from conftest import ServerProcess
+
+    bodies = [body_for(i, temperature=0, max_tokens=8 + 3 * i) for i in range(8)]
+    sequential = {}
+    for i, b in enumerate(bodies):
+        stream(tiny_server.url, b, sequential, str(i))
+    server = ServerProcess("--model", str(tiny_model_dir), "--ctx-size", "1024",
+                           "--fuse-projections", "on", "--compile-decode", "on").wait_ready()
+    try:
+        concurrent = run_all(server.url, bodies)
+    finally:
+        server.stop()
+    log = server.stderr() + "\n".join(server.lines)
+    assert "fused projections: q/k/v and gate/up joined in 2 of 2 layers" in log
+    assert "compiled decode steps in 2 of 2 layers" in log
+    for i, b in enumerate(bodies):
+        text, final = concurrent[str(i)]
+        assert final["usage"]["completion_tokens"] == b["max_tokens"]
+        assert text == sequential[str(i)][0], f"stream {i} differs"
+
+
 def test_cancelling_one_of_four_leaves_the_other_three_correct(tiny_server):
     bodies = [body_for(i, temperature=0, max_tokens=30) for i in range(4)]
     alone = {}
