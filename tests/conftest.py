@@ -46,7 +46,8 @@ class ServerProcess:
             start_new_session=bool(launcher),
         )
         self._group = bool(launcher)
-        threading.Thread(target=self._pump, daemon=True).start()
+        self._pumping = threading.Thread(target=self._pump, daemon=True)
+        self._pumping.start()
 
     def _pump(self):
         for line in self.proc.stdout:
@@ -74,6 +75,13 @@ class ServerProcess:
 
     def stderr(self) -> str:
         return self.proc.stderr.read() if self.proc.poll() is not None else ""
+
+    def all_lines(self, timeout: float = 10) -> list[str]:
+        """Every stdout line, once the process has exited and its output was read to the end (the
+        exit can be seen before the last lines are collected)."""
+        self.proc.wait(timeout)
+        self._pumping.join(timeout)
+        return self.lines
 
     def stop(self):
         if self._group:

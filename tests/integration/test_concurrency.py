@@ -93,7 +93,7 @@ def test_gpu_decode_step_variants_give_the_same_answers_batched(tiny_server, tin
         concurrent = run_all(server.url, bodies)
     finally:
         server.stop()
-    log = server.stderr() + "\n".join(server.lines)
+    log = server.stderr() + "\n".join(server.all_lines())
     assert "fused projections: q/k/v and gate/up joined in 2 of 2 layers" in log
     assert "compiled decode steps in 2 of 2 layers" in log
     for i, b in enumerate(bodies):

@@ -258,7 +258,7 @@ def test_killing_rank_1_mid_stream_gives_an_error_and_the_group_exits(sharded_di
         assert time.monotonic() - t_kill < 10
         with pytest.raises(ProcessLookupError):
             os.kill(rank0, 0)
-        assert any("distributed group failed" in line for line in server.lines), "\n".join(server.lines)
+        assert any("distributed group failed" in line for line in server.all_lines()), "\n".join(server.lines)
     finally:
         server.stop()
 
@@ -311,8 +311,7 @@ def test_a_model_that_cannot_be_split_that_way_is_a_clear_startup_error(sharded_
     # SmolLM2 has 9 query and 3 key/value heads: no even tensor-parallel split over 2 ranks.
     server = launch_group(sharded_dir, parallel="tensor")
     try:
-        server.proc.wait(timeout=120)
-        out = "\n".join(server.lines) + server.stderr()
+        out = "\n".join(server.all_lines(120)) + server.stderr()
         assert "attention heads to divide evenly over 2 ranks" in out
         assert "9 query and 3 key/value heads" in out
         assert READY not in out
@@ -324,8 +323,7 @@ def test_a_gguf_file_is_refused_with_a_clear_message(gguf_path):
     server = ServerProcess("--model", str(gguf_path), "--parallel", "pipeline",
                            launcher=[LAUNCH, "--backend", "ring", "-n", "2", "-p", str(ring_port()), "--"])
     try:
-        server.proc.wait(timeout=120)
-        out = "\n".join(server.lines) + server.stderr()
+        out = "\n".join(server.all_lines(120)) + server.stderr()
         assert "--parallel needs an MLX model folder" in out
         assert READY not in out
     finally:

@@ -92,7 +92,7 @@ def test_missing_model_path_exits_nonzero_before_any_readiness_line(tmp_path):
     code = server.proc.wait(60)
     time.sleep(0.2)
     assert code != 0
-    assert not any("listening" in l for l in server.lines)
+    assert not any("listening" in l for l in server.all_lines())
     assert "does not exist" in server.proc.stderr.read()
 
 
@@ -105,7 +105,7 @@ def test_directory_without_a_model_exits_nonzero(tmp_path):
 def test_port_in_use_exits_nonzero_without_readiness(tiny_server, tiny_model_dir):
     server = ServerProcess("--model", str(tiny_model_dir), port=tiny_server.port)
     assert server.proc.wait(60) != 0
-    assert not any("http server listening" in l for l in server.lines)
+    assert not any("http server listening" in l for l in server.all_lines())
 
 
 def test_sigterm_during_a_stream_exits_zero_within_two_seconds(tiny_model_dir):

@@ -192,7 +192,7 @@ def test_unknown_tool_call_parser_is_a_startup_error(qwen3_model_dir):
     server = ServerProcess("--model", str(qwen3_model_dir), "--tool-call-parser", "nope")
     assert server.proc.wait(120) != 0
     assert "--tool-call-parser" in server.stderr()
-    assert not any("listening" in line for line in server.lines)
+    assert not any("listening" in line for line in server.all_lines())
 
 
 def test_a_model_without_a_tool_format_still_makes_required_calls(client):
