@@ -21,7 +21,6 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench"), str(ROOT / "bench" / "gpu")]
 
 import mlx.core as mx  # noqa: E402
-import mlx.nn as nn  # noqa: E402
 
 
 def timed(fn, reps=3):

@@ -31,7 +31,6 @@ from mlx_lm.models import llama, qwen2, qwen3, rope_utils
 from mlx_lm.models.base import scaled_dot_product_attention
 
 from mlx_server.engine import fuse
-from mlx_server.log import logger
 
 _BLOCKS = (llama.TransformerBlock, qwen2.TransformerBlock, qwen3.TransformerBlock)
 # RoPE modules whose offset goes straight to mx.fast.rope (an array offset works); DynamicNTK's
@@ -40,12 +39,8 @@ _ROPES = (nn.RoPE, rope_utils.Llama3RoPE, rope_utils.SuScaledRoPE, rope_utils.Ya
 
 
 def should_compile(mode: str, parallel: str | None, device: str) -> bool:
-    """`auto`: on a GPU only. Never with `--parallel tensor`: its projections end in collectives."""
-    if parallel == "tensor":
-        if mode == "on":
-            logger.warning("--compile-decode on is ignored with --parallel tensor")
-        return False
-    return mode == "on" or (mode == "auto" and device == "gpu")
+    """`auto`: on GPUs. Never with `--parallel tensor`: its projections end in collectives."""
+    return fuse.on_gpus_by_default("--compile-decode", mode, parallel, device, "its projections end in collectives")
 
 
 def compile_decode(model) -> int:

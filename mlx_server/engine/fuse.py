@@ -34,9 +34,15 @@ def should_fuse(mode: str, parallel: str | None, device: str = "cpu") -> bool:
     a Llama-3-8B shape 1.24x and one Qwen3-0.6B stream 1.22x faster, with compiled decode steps);
     on this project's CPU it measured no faster. Never with `--parallel tensor`, whose split cuts
     q, k and v separately."""
+    return on_gpus_by_default("--fuse-projections", mode, parallel, device, "ranks hold slices of q, k and v")
+
+
+def on_gpus_by_default(flag: str, mode: str, parallel: str | None, device: str, tensor_reason: str) -> bool:
+    """A decode-step option: `on`, `off`, or `auto` = on GPUs; never with `--parallel tensor` (a
+    warning when it was asked for)."""
     if parallel == "tensor":
         if mode == "on":
-            logger.warning("--fuse-projections on is ignored with --parallel tensor (ranks hold slices of q, k and v)")
+            logger.warning("%s on is ignored with --parallel tensor (%s)", flag, tensor_reason)
         return False
     return mode == "on" or (mode == "auto" and device == "gpu")
 

@@ -10,12 +10,11 @@ import pytest
 from mlx_lm.models import llama, rope_utils
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlx_server.engine.batch import PadAwareBatchGenerator
 from mlx_server.engine.compiled import compile_decode, should_compile
 from mlx_server.engine.fuse import fuse_projections
 from mlx_server.engine.loader import load_model
-from mlx_server.engine.sampling import greedy
-from unit.test_fuse import FAMILIES, SHAPE, assert_same_model, prompt, random_model
+from unit.test_fuse import (FAMILIES, SHAPE, NotLlamaFamily, assert_same_model, prompt, ragged_batch_tokens,
+                            random_model)
 
 
 def compiled(family: str, fused: bool = False, quantized: bool = False):
@@ -79,28 +78,13 @@ def test_ragged_batch_decodes_the_same_tokens_compiled():
     """The server's batch path: left-padded rows, an attention mask and per-row positions (an array
     offset into the compiled RoPE), then rows finishing and the batch shrinking (a new trace)."""
 
-    def run(model):
-        gen = PadAwareBatchGenerator(model, stop_tokens=[])
-        uids = gen.insert([prompt(17, 1), prompt(5, 2), prompt(11, 3)], max_tokens=[12, 4, 8],
-                          samplers=[greedy] * 3)
-        out = {uid: [] for uid in uids}
-        for _ in range(16):
-            for r in gen.next()[1]:
-                out[r.uid].append(r.token)
-        return list(out.values())
-
-    want = run(plain("llama"))
+    want = ragged_batch_tokens(plain("llama"), max_tokens=(12, 4, 8))
     assert [len(t) for t in want] == [12, 4, 8]
-    assert run(compiled("llama", fused=True)) == want
+    assert ragged_batch_tokens(compiled("llama", fused=True), max_tokens=(12, 4, 8)) == want
 
 
 def test_other_blocks_and_ropes_are_left_alone():
-    class Other(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.layers = [nn.Linear(4, 4)]
-
-    assert compile_decode(Other()) == 0
+    assert compile_decode(NotLlamaFamily()) == 0
     model = random_model("llama")
     model.layers[1].self_attn.rope = rope_utils.DynamicNTKScalingRoPE(16, 4096, False, 10000.0, 2.0)  # its offset is Python arithmetic
     assert compile_decode(model) == 1

@@ -119,31 +119,32 @@ def test_kv_bytes_per_token_is_unchanged_by_fusing():
     assert kv_bytes_per_token(fused) == kv_bytes_per_token(plain) > 0
 
 
+def ragged_batch_tokens(model, max_tokens=(12, 12, 12)) -> list[list[int]]:
+    """Three prompts of different lengths through the server's batch generator, greedy: each one's tokens."""
+    gen = PadAwareBatchGenerator(model, stop_tokens=[])
+    uids = gen.insert([prompt(17, 1), prompt(5, 2), prompt(11, 3)], max_tokens=list(max_tokens), samplers=[greedy] * 3)
+    out = {uid: [] for uid in uids}
+    for _ in range(16):
+        for r in gen.next()[1]:
+            out[r.uid].append(r.token)
+    return list(out.values())
+
+
 def test_ragged_batch_decodes_the_same_tokens_fused():
     """The server's batch path: left-padded rows, an attention mask and per-row positions."""
-
-    def run(model):
-        gen = PadAwareBatchGenerator(model, stop_tokens=[])
-        uids = gen.insert([prompt(17, 1), prompt(5, 2), prompt(11, 3)], max_tokens=[12] * 3,
-                          samplers=[greedy] * 3)
-        out = {uid: [] for uid in uids}
-        for _ in range(16):
-            for r in gen.next()[1]:
-                out[r.uid].append(r.token)
-        return list(out.values())
-
     fused = random_model("llama")
     fuse_projections(fused)
-    assert run(fused) == run(random_model("llama"))
+    assert ragged_batch_tokens(fused) == ragged_batch_tokens(random_model("llama"))
+
+
+class NotLlamaFamily(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = [nn.Linear(4, 4)]
 
 
 def test_other_model_types_are_left_alone():
-    class Other(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.layers = [nn.Linear(4, 4)]
-
-    assert fuse_projections(Other()) == 0
+    assert fuse_projections(NotLlamaFamily()) == 0
 
 
 def test_tensor_parallel_never_fuses_and_auto_means_gpus():
