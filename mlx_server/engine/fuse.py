@@ -1,7 +1,8 @@
 """Fused projections: one matmul for each attention's q/k/v and one for each MLP's gate/up.
 
-Single-stream decode on a GPU is bound by the host: every op of a step is built in Python and
-launched by MLX, so fewer ops per step is the speed. In mlx-lm's llama-family layers (llama and
+Every op of a decode step is built in Python and launched by MLX, and on a GPU small matmuls read
+their weights far below the memory bandwidth (bench/gpu/kernels.py), so fewer, larger matmuls make
+batched and small-model decode faster there (README, Performance). In mlx-lm's llama-family layers (llama and
 mistral, qwen2, qwen3) five projections read the same input; joined along the output axis they
 are two matmuls whose outputs are split into views. The weights are the same numbers, laid side
 by side: float and quantized layers alike (a quantized layer's rows are quantized independently).
