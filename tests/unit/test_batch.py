@@ -233,26 +233,27 @@ def test_cache_operations_match_mlx_lm_batch_cache():
     def pair(pad):
         return BatchKVCache(pad), _PadAwareBatchKVCache(pad)
 
+    def feed(a, b, rows, n):
+        """The same new keys and values (rows x n positions) into both caches."""
+        k, v = kv(rows, n)
+        a.update_and_fetch(k, v), b.update_and_fetch(k, v)
+
     a, b = pair([0, 0])
     # A prefill chunk with right padding (rows of 5 and 3 tokens), then decode steps.
     for c in (a, b):
         c.prepare(lengths=[5, 3], right_padding=[0, 2])
-    k, v = kv(2, 5)
-    a.update_and_fetch(k, v), b.update_and_fetch(k, v)
+    feed(a, b, 2, 5)
     a.finalize(), b.finalize()
     same(a, b)
     for _ in range(3):
-        k, v = kv(2, 1)
-        a.update_and_fetch(k, v), b.update_and_fetch(k, v)
+        feed(a, b, 2, 1)
         same(a, b)
     # Another batch joins: one row, shorter.
     a2, b2 = pair([0])
-    k, v = kv(1, 2)
-    a2.update_and_fetch(k, v), b2.update_and_fetch(k, v)
+    feed(a2, b2, 1, 2)
     a.extend(a2), b.extend(b2)
     same(a, b)
-    k, v = kv(3, 1)
-    a.update_and_fetch(k, v), b.update_and_fetch(k, v)
+    feed(a, b, 3, 1)
     same(a, b)
     a.trim(2), b.trim(2)
     same(a, b)
@@ -260,20 +261,17 @@ def test_cache_operations_match_mlx_lm_batch_cache():
     a.filter([0]), b.filter([0])
     same(a, b)
     assert isinstance(b.offset, int) and b.make_mask(1) is None
-    k, v = kv(1, 1)
-    a.update_and_fetch(k, v), b.update_and_fetch(k, v)
+    feed(a, b, 1, 1)
     same(a, b)
     a.trim(1), b.trim(1)
     same(a, b)
     # A padded row joins again: offsets come back as an array, made from the host lists.
     a3, b3 = pair([0])
-    k, v = kv(1, 1)
-    a3.update_and_fetch(k, v), b3.update_and_fetch(k, v)
+    feed(a3, b3, 1, 1)
     a.extend(a3), b.extend(b3)
     same(a, b)
     for _ in range(2):
-        k, v = kv(2, 1)
-        a.update_and_fetch(k, v), b.update_and_fetch(k, v)
+        feed(a, b, 2, 1)
         same(a, b)
     assert isinstance(b.offset, mx.array) and isinstance(b.make_mask(1), mx.array)
     ea, eb = a.extract(1), b.extract(1)
