@@ -78,11 +78,18 @@ def _block_call(self, x: mx.array, mask=None, cache=None) -> mx.array:
         return super(type(self), self).__call__(x, mask, cache)
     offset = cache.offset
     if isinstance(offset, int):
-        offset = mx.array(offset, dtype=mx.int32)
+        offset = _position(offset)
     queries, keys, values = self._decode_pre(x, offset)
     keys, values = cache.update_and_fetch(keys, values)
     out = scaled_dot_product_attention(queries, keys, values, cache=cache, scale=self.self_attn.scale, mask=mask)
     return self._decode_post(x, out)
+
+
+@functools.lru_cache(maxsize=8)
+def _position(offset: int) -> mx.array:
+    """A cache offset as an array, the compiled RoPE's input: made once per step, not once per layer
+    (every layer's cache is at the same position)."""
+    return mx.array(offset, dtype=mx.int32)
 
 
 def _pre(layer, x: mx.array, offset: mx.array):
